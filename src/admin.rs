@@ -1,0 +1,171 @@
+//! The admin API (SPEC §8), on its own listener: health, readiness, job inspection and the
+//! out-of-band cancel. Everything but the probes needs the bearer token.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::{Method, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::body::{self, Body};
+use crate::error::{Problem, ProblemKind};
+use crate::gateway::Gateway;
+use crate::job::{Attempt, JobRecord, Rejection, Transition};
+use crate::store::StoreError;
+
+#[derive(Debug)]
+pub struct Admin {
+    gateway: Arc<Gateway>,
+    /// SHA-256 of the token: compared digest to digest, so the comparison time says
+    /// nothing about the token.
+    token_digest: Option<[u8; 32]>,
+}
+
+impl Admin {
+    pub fn new(gateway: Arc<Gateway>, token: Option<String>) -> Self {
+        Self {
+            gateway,
+            token_digest: token
+                .filter(|t| !t.is_empty())
+                .map(|t| Sha256::digest(t.as_bytes()).into()),
+        }
+    }
+
+    pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Response<Body> {
+        match self.serve(request).await {
+            Ok(response) => response,
+            Err(problem) => problem.into_response(),
+        }
+    }
+
+    async fn serve(&self, request: Request<Body>) -> Result<Response<Body>, Problem> {
+        let path = request.uri().path().to_owned();
+        let method = request.method().clone();
+        match (&method, path.as_str()) {
+            (&Method::GET, "/healthz") => {
+                return Ok(json_response(StatusCode::OK, json!({"status": "ok"})))
+            }
+            (&Method::GET, "/readyz") => {
+                return match self.gateway.store.ping().await {
+                    Ok(()) => Ok(json_response(StatusCode::OK, json!({"status": "ready"}))),
+                    Err(e) => Err(Problem::new(ProblemKind::StoreUnavailable, e.to_string())),
+                }
+            }
+            _ => {}
+        }
+        self.authorize(&request)?;
+        let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        match (&method, segments.as_slice()) {
+            (&Method::GET, ["jobs", id]) => {
+                let record = self.gateway.store.get(id).await.map_err(store_problem)?;
+                let record = record.ok_or_else(|| not_found(id))?;
+                Ok(json_response(StatusCode::OK, job_view(&record)))
+            }
+            (&Method::POST, ["jobs", id, "cancel"]) => {
+                let applied =
+                    self.gateway
+                        .apply(id, Transition::Cancel)
+                        .await
+                        .map_err(|e| match e {
+                            StoreError::NotFound(_) => not_found(id),
+                            e => store_problem(e),
+                        })?;
+                match applied.outcome {
+                    Ok(_) => {
+                        tracing::warn!(job_id = %id, "job cancelled out of band; late answers will be discarded");
+                        Ok(json_response(StatusCode::OK, job_view(&applied.record)))
+                    }
+                    Err(Rejection::AlreadySettled(state)) => Err(Problem::new(
+                        ProblemKind::AlreadySettled,
+                        format!("the job is already {state}"),
+                    )
+                    .job(*id)),
+                    Err(other) => {
+                        Err(Problem::new(ProblemKind::AlreadySettled, other.to_string()).job(*id))
+                    }
+                }
+            }
+            _ => Err(Problem::new(
+                ProblemKind::NotFound,
+                format!("no admin endpoint {method} {path}"),
+            )),
+        }
+    }
+
+    fn authorize(&self, request: &Request<Body>) -> Result<(), Problem> {
+        let presented = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| <[u8; 32]>::from(Sha256::digest(t.trim().as_bytes())));
+        match (&self.token_digest, presented) {
+            (Some(expected), Some(presented)) if *expected == presented => Ok(()),
+            (None, _) => Err(Problem::new(
+                ProblemKind::Unauthorized,
+                "the admin token is not configured (see server.admin_token_env)",
+            )),
+            _ => Err(Problem::new(
+                ProblemKind::Unauthorized,
+                "a valid admin bearer token is required",
+            )),
+        }
+    }
+}
+
+fn not_found(id: &str) -> Problem {
+    Problem::new(ProblemKind::NotFound, format!("no job {id}"))
+}
+
+fn store_problem(e: StoreError) -> Problem {
+    Problem::new(ProblemKind::StoreUnavailable, e.to_string())
+}
+
+fn json_response(status: StatusCode, value: Value) -> Response<Body> {
+    let mut response = Response::new(body::full(value.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn time(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// The job and its attempts as SPEC §8 names them. Stored bodies are never included.
+pub fn job_view(record: &JobRecord) -> Value {
+    let job = &record.job;
+    json!({
+        "job": {
+            "id": job.id,
+            "owner": job.owner,
+            "key": job.key,
+            "fingerprint": job.fingerprint,
+            "route": job.route,
+            "state": job.state,
+            "version": job.version,
+            "completed_by": job.completed_by,
+            "created_at": time(job.created_at),
+            "updated_at": time(job.updated_at),
+            "expires_at": time(job.expires_at),
+        },
+        "attempts": record.attempts.iter().map(attempt_view).collect::<Vec<_>>(),
+    })
+}
+
+fn attempt_view(a: &Attempt) -> Value {
+    json!({
+        "n": a.n,
+        "provider": a.provider,
+        "state": a.state,
+        "read_version": a.read_version,
+        "started_at": time(a.started_at),
+        "finished_at": a.finished_at.map(time),
+        "upstream_status": a.upstream_status,
+        "error": a.error,
+    })
+}

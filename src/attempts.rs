@@ -1,0 +1,554 @@
+//! One round of attempts at a job (SPEC §4): primary, failover, timeout, hedge, late answers.
+//!
+//! A round runs in its own task, so a client that hangs up does not abandon the job half
+//! way. Each attempt also runs in its own task and settles *itself* in the store — a win by
+//! compare-and-swap, a failure, an `unknown` — then reports to the round. That is what lets
+//! an attempt outlive its round: after a timeout the round answers `outcome-unknown` and
+//! ends, while the attempt keeps waiting for its late answer (up to `late_result_window`)
+//! and settles the job through the same compare-and-swap when it lands.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::mpsc;
+use tokio::time::{sleep_until, Instant};
+use tracing::{debug, info, warn};
+
+use crate::config::Route;
+use crate::gateway::Gateway;
+use crate::job::{Effect, Failure, JobId, StoredResponse, Transition};
+use crate::store::{Applied, StoreError};
+use crate::upstream::{CallError, ClientRequest};
+
+/// The job a round works for, and the version the round read when it opened.
+#[derive(Clone, Debug)]
+pub(crate) struct RoundJob {
+    pub id: JobId,
+    pub version: u64,
+}
+
+/// How a round ended, from the point of view of the request that ran it.
+#[derive(Debug)]
+pub(crate) enum RoundEnd {
+    /// An attempt of this round completed the job with this answer.
+    Won {
+        response: StoredResponse,
+        n: u32,
+        provider: String,
+    },
+    /// Somebody else settled the job (another attempt's late answer, or a cancel): the
+    /// answer, if any, is in the store.
+    Settled,
+    /// Every provider definitely failed; `last` is the last upstream answer, if any.
+    Failed {
+        last: Option<(StoredResponse, u32, String)>,
+    },
+    /// No attempt is running and at least one timed out.
+    Unknown,
+    Store(StoreError),
+}
+
+/// What an attempt concluded.
+#[derive(Debug)]
+enum Outcome {
+    Final(StoredResponse),
+    Definite {
+        kind: Failure,
+        response: Option<StoredResponse>,
+        error: Option<String>,
+        failover: bool,
+    },
+    Unknown(String),
+}
+
+#[derive(Debug)]
+enum Event {
+    FirstByte(u32),
+    Done(u32, Done),
+}
+
+/// An attempt's report to its round, after it settled itself in the store.
+#[derive(Debug)]
+enum Done {
+    Won(StoredResponse),
+    Lost,
+    Failed {
+        response: Option<StoredResponse>,
+        failover: bool,
+    },
+    Unknown,
+    Store(StoreError),
+}
+
+/// An attempt as its round sees it.
+#[derive(Debug)]
+struct Live {
+    provider: String,
+    started: Instant,
+    deadline: Option<Instant>,
+    first_byte: bool,
+    timed_out: bool,
+}
+
+struct Round {
+    gw: Arc<Gateway>,
+    route: Arc<Route>,
+    job: Option<RoundJob>,
+    request: Arc<ClientRequest>,
+    events: mpsc::UnboundedSender<Event>,
+    /// Next index into `route.providers`.
+    cursor: usize,
+    /// Ordinals of keyless attempts, which have no store to count them.
+    local_n: u32,
+    live: BTreeMap<u32, Live>,
+    last_failure: Option<(StoredResponse, u32, String)>,
+    no_more_attempts: bool,
+}
+
+/// Runs a round to its end. `job` is `None` for a keyless request on an `optional` route:
+/// the same attempts, but nothing claimed or stored.
+pub(crate) async fn run_round(
+    gw: Arc<Gateway>,
+    route: Arc<Route>,
+    job: Option<RoundJob>,
+    request: Arc<ClientRequest>,
+) -> RoundEnd {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let lease = gw.config.idempotency.lease;
+    let mut round = Round {
+        gw,
+        route,
+        job,
+        request,
+        events: tx,
+        cursor: 0,
+        local_n: 0,
+        live: BTreeMap::new(),
+        last_failure: None,
+        no_more_attempts: false,
+    };
+    if let Err(end) = round.start_next().await {
+        return end;
+    }
+    let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+    loop {
+        let timeout_at = round.next_timeout();
+        let hedge_at = round.next_hedge();
+        tokio::select! {
+            Some(event) = rx.recv() => match event {
+                Event::FirstByte(n) => {
+                    if let Some(live) = round.live.get_mut(&n) {
+                        live.first_byte = true;
+                    }
+                }
+                Event::Done(n, done) => {
+                    if let Some(end) = round.on_done(n, done) {
+                        return end;
+                    }
+                }
+            },
+            _ = sleep_until(timeout_at.unwrap_or_else(far_future)), if timeout_at.is_some() => {
+                if let Err(end) = round.on_timeouts().await {
+                    return end;
+                }
+            }
+            _ = sleep_until(hedge_at.unwrap_or_else(far_future)), if hedge_at.is_some() => {
+                debug!(route = %round.route.name, "hedging: attempt in flight is silent");
+                if let Err(end) = round.start_next().await {
+                    return end;
+                }
+            }
+            _ = renew.tick() => round.renew_lease().await,
+        }
+        if let Err(end) = round.advance().await {
+            return end;
+        }
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86400 * 365)
+}
+
+impl Round {
+    fn job_id(&self) -> Option<&str> {
+        self.job.as_ref().map(|j| j.id.as_str())
+    }
+
+    async fn apply(&self, transition: Transition) -> Result<Applied, StoreError> {
+        let job = self
+            .job
+            .as_ref()
+            .expect("only job rounds apply transitions");
+        self.gw.apply(&job.id, transition).await
+    }
+
+    /// Starts the attempt at the next provider of the route.
+    async fn start_next(&mut self) -> Result<(), RoundEnd> {
+        let index = self.route.providers[self.cursor];
+        self.cursor += 1;
+        let provider = self.gw.config.provider(index).clone();
+        let n = match &self.job {
+            None => {
+                self.local_n += 1;
+                self.local_n
+            }
+            Some(job) => {
+                let applied = self
+                    .apply(Transition::StartAttempt {
+                        version: job.version,
+                        provider: provider.name.clone(),
+                    })
+                    .await
+                    .map_err(RoundEnd::Store)?;
+                match applied.outcome {
+                    Ok(Effect::AttemptStarted { n, .. }) => n,
+                    // The job moved on without this round (cancelled out of band).
+                    _ => return Err(RoundEnd::Settled),
+                }
+            }
+        };
+        debug!(job_id = self.job_id(), attempt = n, provider = %provider.name, "attempt started");
+        let now = Instant::now();
+        self.live.insert(
+            n,
+            Live {
+                provider: provider.name.clone(),
+                started: now,
+                deadline: Some(now + provider.timeout),
+                first_byte: false,
+                timed_out: false,
+            },
+        );
+        let attempt = AttemptTask {
+            gw: self.gw.clone(),
+            route: self.route.clone(),
+            job_id: self.job.as_ref().map(|j| j.id.clone()),
+            n,
+            provider_index: index,
+            request: self.request.clone(),
+            events: self.events.clone(),
+        };
+        tokio::spawn(attempt.run());
+        Ok(())
+    }
+
+    fn running(&self) -> impl Iterator<Item = (&u32, &Live)> {
+        self.live.iter().filter(|(_, l)| !l.timed_out)
+    }
+
+    fn next_timeout(&self) -> Option<Instant> {
+        self.running().filter_map(|(_, l)| l.deadline).min()
+    }
+
+    /// When to start a hedged attempt: the newest running attempt has been silent for
+    /// `hedge_after` (headers alone are not an answer).
+    fn next_hedge(&self) -> Option<Instant> {
+        let hedge_after = self.route.hedge_after?;
+        if self.no_more_attempts || self.cursor >= self.route.providers.len() {
+            return None;
+        }
+        let (_, newest) = self.running().last()?;
+        (!newest.first_byte).then(|| newest.started + hedge_after)
+    }
+
+    fn on_done(&mut self, n: u32, done: Done) -> Option<RoundEnd> {
+        let live = self.live.remove(&n)?;
+        match done {
+            Done::Won(response) => Some(RoundEnd::Won {
+                response,
+                n,
+                provider: live.provider,
+            }),
+            Done::Lost => Some(RoundEnd::Settled),
+            Done::Store(e) => Some(RoundEnd::Store(e)),
+            Done::Failed { response, failover } => {
+                if let Some(response) = response {
+                    self.last_failure = Some((response, n, live.provider));
+                }
+                if !failover {
+                    self.no_more_attempts = true;
+                }
+                None
+            }
+            Done::Unknown => {
+                // A broken response or a 504: this attempt's outcome is unknown, and so no
+                // further attempt may start.
+                self.no_more_attempts = true;
+                self.live.insert(
+                    n,
+                    Live {
+                        timed_out: true,
+                        deadline: None,
+                        ..live
+                    },
+                );
+                None
+            }
+        }
+    }
+
+    async fn on_timeouts(&mut self) -> Result<(), RoundEnd> {
+        let now = Instant::now();
+        let due: Vec<u32> = self
+            .running()
+            .filter(|(_, l)| l.deadline.is_some_and(|d| d <= now))
+            .map(|(n, _)| *n)
+            .collect();
+        for n in due {
+            let marked = match &self.job {
+                None => true,
+                Some(_) => {
+                    let applied = self
+                        .apply(Transition::AttemptUnknown {
+                            n,
+                            error: "no response within the provider's timeout".into(),
+                        })
+                        .await
+                        .map_err(RoundEnd::Store)?;
+                    // Discarded: the attempt settled a moment ago; its report is on the way.
+                    matches!(applied.outcome, Ok(Effect::Applied))
+                }
+            };
+            let job_id = self.job.as_ref().map(|j| j.id.clone());
+            let live = self.live.get_mut(&n).expect("due attempts are live");
+            live.deadline = None;
+            if marked {
+                live.timed_out = true;
+                self.no_more_attempts = true;
+                warn!(job_id, attempt = n, provider = %live.provider,
+                    "attempt timed out; its outcome is unknown and its call is kept for a late answer");
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides what follows once no attempt is running.
+    async fn advance(&mut self) -> Result<(), RoundEnd> {
+        if self.running().next().is_some() {
+            return Ok(());
+        }
+        let any_unknown = self.live.values().any(|l| l.timed_out);
+        if any_unknown {
+            return Err(self.end_unknown().await);
+        }
+        if !self.no_more_attempts && self.cursor < self.route.providers.len() {
+            return self.start_next().await;
+        }
+        Err(self.end_failed().await)
+    }
+
+    async fn end_unknown(&mut self) -> RoundEnd {
+        let Some(job) = &self.job else {
+            return RoundEnd::Unknown;
+        };
+        match self
+            .apply(Transition::MarkUnknown {
+                version: job.version,
+            })
+            .await
+        {
+            Ok(Applied { outcome: Ok(_), .. }) => {
+                warn!(job_id = %job.id, "job is unknown: an attempt timed out and none is left running");
+                RoundEnd::Unknown
+            }
+            // A late answer (or a cancel) got there first.
+            Ok(_) => RoundEnd::Settled,
+            Err(e) => RoundEnd::Store(e),
+        }
+    }
+
+    async fn end_failed(&mut self) -> RoundEnd {
+        let last = self.last_failure.take();
+        let Some(job) = &self.job else {
+            return RoundEnd::Failed { last };
+        };
+        match self
+            .apply(Transition::FailRound {
+                version: job.version,
+            })
+            .await
+        {
+            Ok(Applied { outcome: Ok(_), .. }) => {
+                info!(job_id = %job.id, "every provider failed; the job is failed and may be retried");
+                RoundEnd::Failed { last }
+            }
+            Ok(_) => RoundEnd::Settled,
+            Err(e) => RoundEnd::Store(e),
+        }
+    }
+
+    async fn renew_lease(&self) {
+        let Some(job) = &self.job else { return };
+        let until = SystemTime::now() + self.gw.config.idempotency.lease;
+        let renewed = self
+            .apply(Transition::RenewLease {
+                version: job.version,
+                until,
+            })
+            .await;
+        if let Err(e) = renewed {
+            warn!(job_id = %job.id, error = %e, "could not renew the job's lease");
+        }
+    }
+}
+
+/// One attempt: the upstream call, its classification, and its own settlement.
+struct AttemptTask {
+    gw: Arc<Gateway>,
+    route: Arc<Route>,
+    job_id: Option<JobId>,
+    n: u32,
+    provider_index: usize,
+    request: Arc<ClientRequest>,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+impl AttemptTask {
+    async fn run(self) {
+        let provider = self.gw.config.provider(self.provider_index).clone();
+        let request = self.request.for_provider(&provider, self.job_id.as_deref());
+        let events = self.events.clone();
+        let n = self.n;
+        let call = self
+            .gw
+            .upstream
+            .exchange(self.provider_index, request, move || {
+                let _ = events.send(Event::FirstByte(n));
+            });
+        // A job's call is kept alive for its late answer; a keyless call has nobody to
+        // settle for once its round gave up.
+        let patience = if self.job_id.is_some() {
+            self.gw
+                .config
+                .idempotency
+                .late_result_window
+                .max(provider.timeout)
+        } else {
+            provider.timeout
+        };
+        let outcome = match tokio::time::timeout(patience, call).await {
+            Err(_) => Outcome::Unknown("no answer within late_result_window".into()),
+            Ok(Ok(response)) => self.classify_answer(response),
+            Ok(Err(error)) => self.classify_error(error),
+        };
+        let done = self.settle(outcome).await;
+        // The round may have ended already (after a timeout): then nobody listens.
+        let _ = self.events.send(Event::Done(self.n, done));
+    }
+
+    fn classify_answer(&self, response: StoredResponse) -> Outcome {
+        let status = response.status;
+        if status == 504 {
+            return Outcome::Unknown("the provider answered 504".into());
+        }
+        if self.route.failover_on.covers_status(status) {
+            return Outcome::Definite {
+                kind: Failure::Failed,
+                error: Some(format!("the provider answered {status}")),
+                response: Some(response),
+                failover: true,
+            };
+        }
+        if (200..300).contains(&status) {
+            if let Some(missing) =
+                crate::contract::violation(self.route.contract.as_ref(), &response.body)
+            {
+                return Outcome::Definite {
+                    kind: Failure::ContractRejected,
+                    error: Some(missing),
+                    response: None,
+                    failover: true,
+                };
+            }
+        }
+        Outcome::Final(response)
+    }
+
+    fn classify_error(&self, error: CallError) -> Outcome {
+        let text = Some(error.to_string());
+        match error {
+            CallError::Connect(_) | CallError::NotSent(_) => Outcome::Definite {
+                kind: Failure::Failed,
+                response: None,
+                error: text,
+                failover: self.route.failover_on.connect,
+            },
+            CallError::Reset(_) if self.route.failover_on.reset => Outcome::Definite {
+                kind: Failure::Failed,
+                response: None,
+                error: text,
+                failover: true,
+            },
+            CallError::Reset(e) | CallError::Broken(e) => Outcome::Unknown(e),
+        }
+    }
+
+    async fn settle(&self, outcome: Outcome) -> Done {
+        let Some(job_id) = &self.job_id else {
+            return match outcome {
+                Outcome::Final(response) => Done::Won(response),
+                Outcome::Definite {
+                    response, failover, ..
+                } => Done::Failed { response, failover },
+                Outcome::Unknown(_) => Done::Unknown,
+            };
+        };
+        let n = self.n;
+        match outcome {
+            Outcome::Final(response) => {
+                let complete = Transition::Complete {
+                    n,
+                    response: response.clone(),
+                };
+                match self.gw.apply(job_id, complete).await {
+                    Ok(Applied {
+                        outcome: Ok(Effect::Won),
+                        ..
+                    }) => Done::Won(response),
+                    Ok(Applied {
+                        outcome: Ok(Effect::LostRace { completed_by }),
+                        ..
+                    }) => {
+                        warn!(job_id = %job_id, attempt = n, winner = ?completed_by,
+                            "attempt lost the race; its answer is dropped");
+                        Done::Lost
+                    }
+                    Ok(_) => {
+                        info!(job_id = %job_id, attempt = n, "late answer discarded: the attempt was cancelled");
+                        Done::Lost
+                    }
+                    Err(e) => Done::Store(e),
+                }
+            }
+            Outcome::Definite {
+                kind,
+                response,
+                error,
+                failover,
+            } => {
+                let fail = Transition::FailAttempt {
+                    n,
+                    kind,
+                    upstream_status: response.as_ref().map(|r| r.status),
+                    error,
+                };
+                match self.gw.apply(job_id, fail).await {
+                    Ok(_) => Done::Failed { response, failover },
+                    Err(e) => Done::Store(e),
+                }
+            }
+            Outcome::Unknown(error) => {
+                match self
+                    .gw
+                    .apply(job_id, Transition::AttemptUnknown { n, error })
+                    .await
+                {
+                    Ok(_) => Done::Unknown,
+                    Err(e) => Done::Store(e),
+                }
+            }
+        }
+    }
+}

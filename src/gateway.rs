@@ -1,0 +1,587 @@
+//! The request path of SPEC §3: route, owner, key, body, fingerprint, claim, and what to do
+//! with the job the claim found — run it, replay it, wait for it, refuse, or re-open it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tracing::{debug, warn};
+
+use crate::attempts::{run_round, RoundEnd, RoundJob};
+use crate::body::{self, Body};
+use crate::config::{Config, IdempotencyMode, Route};
+use crate::error::{Problem, ProblemKind};
+use crate::headers;
+use crate::intent;
+use crate::job::{
+    new_job_id, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
+};
+use crate::store::{Applied, Claim, JobStore, StoreError};
+use crate::upstream::{provider_uri, CallError, ClientRequest, Upstream};
+
+/// Everything a request needs: config, store, upstream clients.
+#[derive(Debug)]
+pub struct Gateway {
+    pub(crate) config: Arc<Config>,
+    pub(crate) store: Arc<dyn JobStore>,
+    pub(crate) upstream: Upstream,
+    /// Rounds this process is running, by job id, with the version each read: on shutdown
+    /// the ones still running are marked `unknown`, never left `in_progress`.
+    rounds: Mutex<HashMap<JobId, u64>>,
+}
+
+/// How long a client should wait before asking again about a job in flight.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+impl Gateway {
+    pub fn new(config: Arc<Config>, store: Arc<dyn JobStore>) -> Arc<Self> {
+        Arc::new(Self {
+            upstream: Upstream::new(&config.providers),
+            config,
+            store,
+            rounds: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn expiry_policy(config: &Config) -> ExpiryPolicy {
+        ExpiryPolicy {
+            retention: config.idempotency.retention,
+            late_result_window: config.idempotency.late_result_window,
+        }
+    }
+
+    /// Applies a transition, retrying a store that blipped with a short bounded backoff so a
+    /// settle is not lost to one dropped connection. Transitions are safe to re-apply.
+    pub(crate) async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+    ) -> Result<Applied, StoreError> {
+        let mut delay = Duration::from_millis(25);
+        for _ in 0..4 {
+            match self
+                .store
+                .apply(id, transition.clone(), SystemTime::now())
+                .await
+            {
+                Err(StoreError::Unavailable(e)) => {
+                    warn!(job_id = id, error = %e, "store unavailable; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                result => return result,
+            }
+        }
+        self.store.apply(id, transition, SystemTime::now()).await
+    }
+
+    /// Serves one client request; every error becomes its problem+json answer.
+    pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Response<Body> {
+        match self.serve(request).await {
+            Ok(response) => response,
+            Err(problem) => problem.into_response(),
+        }
+    }
+
+    async fn serve(self: &Arc<Self>, request: Request<Body>) -> Result<Response<Body>, Problem> {
+        let (parts, body) = request.into_parts();
+        let mut body = PendingBody::Unread(body);
+        let route = self.select_route(&parts, &mut body).await?;
+        let safe = matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
+        if safe || route.idempotency == IdempotencyMode::Off {
+            return self.pass_through(&route, parts, body).await;
+        }
+        let idem = &self.config.idempotency;
+        let owner = intent::owner(&idem.owner, &parts.headers).ok_or_else(|| {
+            Problem::new(
+                ProblemKind::MissingOwner,
+                match &idem.owner {
+                    intent::OwnerMode::Header(name) => {
+                        format!("the {name} header names the owner of the key and is missing")
+                    }
+                    _ => "an Authorization header is required: the key belongs to its owner".into(),
+                },
+            )
+        })?;
+        let key = intent::key(&parts.headers, &idem.header, idem.max_key_length)
+            .map_err(|e| Problem::new(ProblemKind::InvalidIdempotencyKey, e.to_string()))?;
+        if key.is_none() && route.idempotency == IdempotencyMode::Required {
+            return Err(Problem::new(
+                ProblemKind::MissingIdempotencyKey,
+                format!("route {:?} requires an {} header", route.name, idem.header),
+            ));
+        }
+        let bytes = body.read(&parts, self.config.server.max_body_bytes).await?;
+        let path_and_query = path_and_query(&parts);
+        let request = Arc::new(ClientRequest::new(
+            parts.method.clone(),
+            path_and_query.clone(),
+            parts.headers,
+            bytes,
+            &idem.header,
+        ));
+        let Some(key) = key else {
+            let end = self.spawn_round(route, None, request).await;
+            return Ok(self.respond(None, end).await);
+        };
+        let fingerprint = intent::fingerprint(
+            parts.method.as_str(),
+            &path_and_query,
+            &request.body,
+            &idem.fingerprint_ignore,
+        );
+        let now = SystemTime::now();
+        let record = JobRecord::new(
+            new_job_id(),
+            owner,
+            key,
+            fingerprint.clone(),
+            route.name.clone(),
+            now,
+            now + idem.lease,
+            &Self::expiry_policy(&self.config),
+        );
+        match self.store.claim(record, now).await.map_err(unavailable)? {
+            Claim::Created(record) => {
+                debug!(job_id = %record.job.id, route = %route.name, "new job");
+                let job = RoundJob {
+                    id: record.job.id,
+                    version: record.job.version,
+                };
+                Ok(self.run_job(route, job, request).await)
+            }
+            Claim::Existing(record) => self.resolve(route, record, &fingerprint, request).await,
+        }
+    }
+
+    /// The first route whose methods, path prefix and (when given) model globs match.
+    async fn select_route(
+        &self,
+        parts: &Parts,
+        body: &mut PendingBody,
+    ) -> Result<Arc<Route>, Problem> {
+        let path = parts.uri.path();
+        for route in &self.config.routes {
+            let method_ok = route
+                .methods
+                .as_ref()
+                .is_none_or(|m| m.contains(&parts.method));
+            if !method_ok || !prefix_matches(&route.path_prefix, path) {
+                continue;
+            }
+            if route.models.is_empty() {
+                return Ok(route.clone());
+            }
+            let bytes = body.read(parts, self.config.server.max_body_bytes).await?;
+            let model = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("model").and_then(|m| m.as_str().map(str::to_owned)));
+            if let Some(model) = model {
+                if route.models.iter().any(|glob| glob.matches(&model)) {
+                    return Ok(route.clone());
+                }
+            }
+        }
+        Err(Problem::new(
+            ProblemKind::NoRoute,
+            format!("no route matches {} {path}", parts.method),
+        ))
+    }
+
+    /// Safe methods and `idempotency = "off"` routes: a plain reverse proxy to the route's
+    /// first provider, streaming both ways, no job.
+    async fn pass_through(
+        &self,
+        route: &Route,
+        parts: Parts,
+        body: PendingBody,
+    ) -> Result<Response<Body>, Problem> {
+        let index = route.providers[0];
+        let provider = self.config.provider(index);
+        let mut headers = parts.headers.clone();
+        headers::strip_hop_by_hop(&mut headers);
+        headers.remove(http::header::HOST);
+        headers.remove(http::header::CONTENT_LENGTH);
+        for (name, value) in &provider.headers {
+            headers.insert(name.clone(), value.clone());
+        }
+        let body = match body {
+            PendingBody::Unread(body) => body,
+            PendingBody::Read(bytes) => body::full(bytes),
+        };
+        let mut request = Request::new(body);
+        *request.method_mut() = parts.method.clone();
+        *request.uri_mut() = provider_uri(provider, &path_and_query(&parts));
+        *request.headers_mut() = headers;
+        let response =
+            tokio::time::timeout(provider.timeout, self.upstream.forward(index, request))
+                .await
+                .map_err(|_| {
+                    Problem::new(
+                        ProblemKind::AttemptTimedOut,
+                        format!(
+                            "provider {:?} did not answer within {:?}",
+                            provider.name, provider.timeout
+                        ),
+                    )
+                })?
+                .map_err(|e: CallError| {
+                    Problem::new(
+                        ProblemKind::AllProvidersFailed,
+                        format!("provider {:?}: {e}", provider.name),
+                    )
+                })?;
+        let (mut head, incoming) = response.into_parts();
+        headers::strip_hop_by_hop(&mut head.headers);
+        Ok(Response::from_parts(head, body::boxed(incoming)))
+    }
+
+    /// A claim found an existing job: SPEC §3 step 6, looping while the job is in flight.
+    async fn resolve(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        mut record: JobRecord,
+        fingerprint: &str,
+        request: Arc<ClientRequest>,
+    ) -> Result<Response<Body>, Problem> {
+        let idem = &self.config.idempotency;
+        let deadline = tokio::time::Instant::now() + idem.wait_for_in_flight;
+        loop {
+            let id = record.job.id.clone();
+            let now = SystemTime::now();
+            match record.classify(fingerprint, now) {
+                Found::Conflict => return Err(Problem::new(
+                    ProblemKind::IdempotencyKeyReused,
+                    "this idempotency key was used for a different request (method, path or body)",
+                )
+                .job(id)),
+                Found::Replay => return Ok(replay(&record)),
+                Found::Unknown => return Err(unknown_problem(&id)),
+                Found::LeaseLapsed => {
+                    let version = record.job.version;
+                    let applied = self
+                        .apply(&id, Transition::ExpireLease { version })
+                        .await
+                        .map_err(unavailable)?;
+                    if applied.outcome.is_ok() {
+                        warn!(job_id = %id, "job's lease lapsed (its gateway stopped); the job is unknown");
+                    }
+                    record = applied.record;
+                }
+                Found::InFlight => {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(Problem::new(
+                            ProblemKind::RequestInProgress,
+                            "a request with this idempotency key is still running",
+                        )
+                        .job(id)
+                        .retry_after(RETRY_AFTER));
+                    }
+                    // Wake at the latest when the lease would lapse, to notice a dead gateway.
+                    let lease_left = record
+                        .job
+                        .lease_until
+                        .duration_since(now)
+                        .unwrap_or_default();
+                    let wait = left.min(lease_left + Duration::from_millis(5));
+                    record = self
+                        .store
+                        .wait_change(&id, record.job.version, record.job.state, wait)
+                        .await
+                        .map_err(unavailable)?;
+                }
+                Found::Reopenable { version } => {
+                    let lease_until = now + idem.lease;
+                    let applied = self
+                        .apply(
+                            &id,
+                            Transition::Reopen {
+                                version,
+                                lease_until,
+                            },
+                        )
+                        .await
+                        .map_err(unavailable)?;
+                    if applied.outcome.is_ok() {
+                        debug!(job_id = %id, version = applied.record.job.version, "job re-opened for a new round");
+                        let job = RoundJob {
+                            id,
+                            version: applied.record.job.version,
+                        };
+                        return Ok(self.run_job(route, job, request).await);
+                    }
+                    // Another retry re-opened it first: wait for that round like a duplicate.
+                    record = applied.record;
+                }
+            }
+        }
+    }
+
+    async fn run_job(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        job: RoundJob,
+        request: Arc<ClientRequest>,
+    ) -> Response<Body> {
+        let id = job.id.clone();
+        let end = self.spawn_round(route, Some(job), request).await;
+        self.respond(Some(&id), end).await
+    }
+
+    /// Runs the round in its own task so that a client hanging up cannot abandon the job.
+    async fn spawn_round(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        job: Option<RoundJob>,
+        request: Arc<ClientRequest>,
+    ) -> RoundEnd {
+        let gw = self.clone();
+        let task = tokio::spawn(async move {
+            if let Some(job) = &job {
+                gw.lock_rounds().insert(job.id.clone(), job.version);
+            }
+            let id = job.as_ref().map(|j| j.id.clone());
+            let end = run_round(gw.clone(), route, job, request).await;
+            if let Some(id) = id {
+                gw.lock_rounds().remove(&id);
+            }
+            end
+        });
+        task.await.unwrap_or_else(|e| {
+            warn!(error = %e, "a round task failed");
+            RoundEnd::Store(StoreError::Unavailable(
+                "internal error in the round".into(),
+            ))
+        })
+    }
+
+    fn lock_rounds(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, u64>> {
+        self.rounds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn respond(&self, job_id: Option<&str>, end: RoundEnd) -> Response<Body> {
+        let problem = match end {
+            RoundEnd::Won { response, n, provider } => {
+                return answer(job_id, &response, Some((n, &provider)), false);
+            }
+            RoundEnd::Failed { last: Some((response, n, provider)) } => {
+                return answer(job_id, &response, Some((n, &provider)), false);
+            }
+            RoundEnd::Failed { last: None } => Problem::new(
+                ProblemKind::AllProvidersFailed,
+                "no provider answered; the job is failed and a retry with the same key opens a new round",
+            ),
+            RoundEnd::Unknown => Problem::new(
+                ProblemKind::AttemptTimedOut,
+                "the provider did not answer in time; the request may have run. The job is unknown until its late answer lands or it is cancelled",
+            ),
+            RoundEnd::Store(e) => Problem::new(ProblemKind::StoreUnavailable, e.to_string()),
+            RoundEnd::Settled => match job_id {
+                Some(id) => return self.settled(id).await,
+                None => Problem::new(ProblemKind::AllProvidersFailed, "no provider answered"),
+            },
+        };
+        match job_id {
+            Some(id) => problem.job(id),
+            None => problem,
+        }
+        .into_response()
+    }
+
+    /// The answer for a round whose job was settled by someone else.
+    async fn settled(&self, id: &str) -> Response<Body> {
+        let record = match self.store.get(id).await {
+            Ok(Some(record)) => record,
+            Ok(None) => {
+                return Problem::new(ProblemKind::StoreUnavailable, "the job vanished")
+                    .job(id)
+                    .into_response()
+            }
+            Err(e) => return unavailable(e).job(id).into_response(),
+        };
+        match record.job.state {
+            JobState::Succeeded => replay(&record),
+            JobState::Cancelled => Problem::new(
+                ProblemKind::OutcomeUnknown,
+                "the job was cancelled out of band while this request ran; a retry opens a new round",
+            )
+            .job(id)
+            .into_response(),
+            JobState::Unknown => unknown_problem(id).into_response(),
+            JobState::Failed => Problem::new(ProblemKind::AllProvidersFailed, "the job failed")
+                .job(id)
+                .into_response(),
+            JobState::InProgress => Problem::new(ProblemKind::RequestInProgress, "the job is running")
+                .job(id)
+                .retry_after(RETRY_AFTER)
+                .into_response(),
+        }
+    }
+
+    /// Shutdown: rounds that could not finish within the grace period may have reached a
+    /// provider, so their jobs become `unknown` rather than staying `in_progress`.
+    pub async fn abandon_rounds(&self) {
+        let rounds: Vec<(JobId, u64)> = self.lock_rounds().drain().collect();
+        for (id, version) in rounds {
+            match self.apply(&id, Transition::MarkUnknown { version }).await {
+                Ok(Applied { outcome: Ok(_), .. }) => {
+                    warn!(job_id = %id, "shutdown: job left unknown; resolve it with the cancel API if needed")
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(job_id = %id, error = %e, "shutdown: could not mark the job unknown")
+                }
+            }
+        }
+    }
+}
+
+fn unavailable(e: StoreError) -> Problem {
+    Problem::new(ProblemKind::StoreUnavailable, e.to_string()).retry_after(RETRY_AFTER)
+}
+
+fn unknown_problem(id: &str) -> Problem {
+    Problem::new(
+        ProblemKind::OutcomeUnknown,
+        "an earlier attempt of this job may have run; no new attempt is made until it settles or is cancelled",
+    )
+    .job(id)
+}
+
+fn path_and_query(parts: &Parts) -> String {
+    parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned())
+}
+
+/// Segment-aware: `/v1/chat` matches `/v1/chat` and `/v1/chat/x`, not `/v1/chatty`.
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// The client's body: read at most once, as late as possible.
+enum PendingBody {
+    Unread(Body),
+    Read(Bytes),
+}
+
+impl PendingBody {
+    async fn read(&mut self, parts: &Parts, limit: usize) -> Result<Bytes, Problem> {
+        let body = match std::mem::replace(self, Self::Read(Bytes::new())) {
+            Self::Read(bytes) => {
+                *self = Self::Read(bytes.clone());
+                return Ok(bytes);
+            }
+            Self::Unread(body) => body,
+        };
+        let too_large = || {
+            Problem::new(
+                ProblemKind::PayloadTooLarge,
+                format!("the request body is larger than {limit} bytes"),
+            )
+        };
+        let declared = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > limit as u64) {
+            return Err(too_large());
+        }
+        let mut body = body;
+        let mut buf = bytes::BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                Problem::new(
+                    ProblemKind::BadRequest,
+                    format!("could not read the request body: {e}"),
+                )
+            })?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > limit {
+                    return Err(too_large());
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        let bytes = buf.freeze();
+        *self = Self::Read(bytes.clone());
+        Ok(bytes)
+    }
+}
+
+fn replay(record: &JobRecord) -> Response<Body> {
+    let job = &record.job;
+    let Some(response) = &job.response else {
+        return Problem::new(
+            ProblemKind::StoreUnavailable,
+            "the settled job has no stored answer",
+        )
+        .job(job.id.clone())
+        .into_response();
+    };
+    let winner = job
+        .completed_by
+        .and_then(|n| record.attempt(n))
+        .map(|a| (a.n, a.provider.as_str()));
+    answer(Some(&job.id), response, winner, true)
+}
+
+/// A stored answer as an HTTP response, with the gateway's headers. The first answer and
+/// every replay come from the same stored bytes, so they cannot drift apart.
+fn answer(
+    job_id: Option<&str>,
+    stored: &StoredResponse,
+    attempt: Option<(u32, &str)>,
+    replayed: bool,
+) -> Response<Body> {
+    let mut response = Response::new(body::full(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
+        headers.insert(headers::JOB_ID, id);
+    }
+    if let Some((n, provider)) = attempt {
+        headers.insert(headers::ATTEMPT, HeaderValue::from(n));
+        if let Ok(provider) = HeaderValue::from_str(provider) {
+            headers.insert(headers::PROVIDER, provider);
+        }
+    }
+    headers.insert(
+        headers::REPLAYED,
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_match_whole_segments() {
+        assert!(prefix_matches("/v1/chat", "/v1/chat"));
+        assert!(prefix_matches("/v1/chat", "/v1/chat/completions"));
+        assert!(!prefix_matches("/v1/chat", "/v1/chatty"));
+        assert!(prefix_matches("/", "/anything"));
+        assert!(prefix_matches("/v1/", "/v1/x"));
+        assert!(!prefix_matches("/v2", "/v1"));
+    }
+}

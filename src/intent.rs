@@ -1,0 +1,478 @@
+//! Identity and intent: who owns a key (the owner), which intent it names (the key) and what
+//! the intent is (the fingerprint), SPEC §3 steps 2–5.
+
+use std::io::Write;
+
+use http::HeaderMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// How the owner of a request is determined (`idempotency.owner`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OwnerMode {
+    /// SHA-256 of the `Authorization` header value.
+    Bearer,
+    /// SHA-256 of a header set by an auth layer in front of the gateway.
+    Header(http::HeaderName),
+    /// One shared owner.
+    Anonymous,
+}
+
+/// The owner recorded for every request in `anonymous` mode.
+pub const ANONYMOUS_OWNER: &str = "anonymous";
+
+/// A key that was present but malformed (SPEC §3 step 3).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the idempotency key is empty")]
+    Empty,
+    #[error("the idempotency key is longer than {max} characters")]
+    TooLong { max: usize },
+    #[error("the idempotency key must be visible ASCII (no spaces or control characters)")]
+    NotVisibleAscii,
+    #[error("the idempotency key header appears more than once")]
+    Repeated,
+    #[error("the quoted idempotency key is not a valid structured-field string")]
+    BadQuoting,
+}
+
+/// The owner's identity as stored: a hex SHA-256 (never the raw credential), or
+/// [`ANONYMOUS_OWNER`]. `None` when the request carries no owner.
+pub fn owner(mode: &OwnerMode, headers: &HeaderMap) -> Option<String> {
+    let value = match mode {
+        OwnerMode::Anonymous => return Some(ANONYMOUS_OWNER.to_owned()),
+        OwnerMode::Bearer => headers.get(http::header::AUTHORIZATION)?,
+        OwnerMode::Header(name) => headers.get(name)?,
+    };
+    let value = value.as_bytes();
+    if value.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    Some(hex::encode(Sha256::digest(value)))
+}
+
+/// Reads the idempotency key: `Ok(None)` when absent, the key text when valid. The bare form
+/// and the Structured-Fields string form (`"..."`) name the same key.
+pub fn key(
+    headers: &HeaderMap,
+    name: &http::HeaderName,
+    max_len: usize,
+) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(raw) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    let raw = raw.as_bytes();
+    let text = match raw {
+        [b'"', inner @ .., b'"'] => unquote(inner)?,
+        [b'"', ..] => return Err(KeyError::BadQuoting),
+        _ => raw.to_vec(),
+    };
+    if text.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if !text.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(KeyError::NotVisibleAscii);
+    }
+    if text.len() > max_len {
+        return Err(KeyError::TooLong { max: max_len });
+    }
+    Ok(Some(
+        String::from_utf8(text).expect("visible ASCII is UTF-8"),
+    ))
+}
+
+/// RFC 8941 sf-string: `\"` and `\\` are the only escapes; a bare `"` ends the string.
+fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return Err(KeyError::BadQuoting),
+            },
+            b'"' => return Err(KeyError::BadQuoting),
+            _ => out.push(b),
+        }
+    }
+    Ok(out)
+}
+
+/// A JSON Pointer (RFC 6901) to drop from the body before fingerprinting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IgnoredPointer(Vec<String>);
+
+impl IgnoredPointer {
+    pub fn parse(pointer: &str) -> Result<Self, String> {
+        let rest = pointer
+            .strip_prefix('/')
+            .ok_or_else(|| format!("JSON pointer {pointer:?} must start with '/'"))?;
+        Ok(Self(
+            rest.split('/')
+                .map(|t| t.replace("~1", "/").replace("~0", "~"))
+                .collect(),
+        ))
+    }
+
+    fn remove(&self, value: &mut Value) {
+        let Some((last, parents)) = self.0.split_last() else {
+            return;
+        };
+        let mut node = value;
+        for token in parents {
+            node = match node {
+                Value::Object(map) => match map.get_mut(token) {
+                    Some(child) => child,
+                    None => return,
+                },
+                Value::Array(items) => {
+                    match token.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+                        Some(child) => child,
+                        None => return,
+                    }
+                }
+                _ => return,
+            };
+        }
+        match node {
+            Value::Object(map) => {
+                map.remove(last);
+            }
+            Value::Array(items) => {
+                if let Some(i) = last.parse::<usize>().ok().filter(|&i| i < items.len()) {
+                    items.remove(i);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// SHA-256 (hex) of the intent: method, path and query, and the body — canonical JSON when
+/// the body parses as JSON (with `ignore` pointers removed), raw bytes otherwise.
+pub fn fingerprint(
+    method: &str,
+    path_and_query: &str,
+    body: &[u8],
+    ignore: &[IgnoredPointer],
+) -> String {
+    let mut hasher = Sha256::new();
+    // Length-prefixed fields, so no two different intents hash the same bytes.
+    for part in [method.as_bytes(), path_and_query.as_bytes()] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part);
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(mut json) => {
+            for pointer in ignore {
+                pointer.remove(&mut json);
+            }
+            let mut canonical = Vec::with_capacity(body.len());
+            write_canonical(&json, &mut canonical);
+            hasher.update(b"json");
+            hasher.update(&canonical);
+        }
+        Err(_) => {
+            hasher.update(b"raw ");
+            hasher.update(body);
+        }
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// Canonical JSON: object keys sorted by their UTF-8 bytes, no insignificant whitespace.
+/// Written by hand rather than trusting `serde_json::Map`'s order, which a dependency
+/// enabling `preserve_order` would silently change.
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                serde_json::to_writer(&mut *out, k).expect("writing to a Vec cannot fail");
+                out.push(b':');
+                write_canonical(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(b']');
+        }
+        scalar => {
+            let _ = write!(out, "{scalar}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderName, HeaderValue};
+    use proptest::prelude::*;
+
+    fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(v).unwrap(),
+            );
+        }
+        map
+    }
+
+    fn key_of(value: &[u8]) -> Result<Option<String>, KeyError> {
+        let name = HeaderName::from_static("idempotency-key");
+        key(&headers(&[("idempotency-key", value)]), &name, 16)
+    }
+
+    #[test]
+    fn bare_and_quoted_keys_name_the_same_key() {
+        assert_eq!(key_of(b"abc-123"), Ok(Some("abc-123".into())));
+        assert_eq!(key_of(b"\"abc-123\""), Ok(Some("abc-123".into())));
+        assert_eq!(key_of(b"\"a\\\"b\""), Ok(Some("a\"b".into())));
+    }
+
+    #[test]
+    fn bad_keys_are_refused() {
+        assert_eq!(key_of(b""), Err(KeyError::Empty));
+        assert_eq!(key_of(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(key_of(b"\"a b\""), Err(KeyError::NotVisibleAscii));
+        assert_eq!(key_of(b"a b"), Err(KeyError::NotVisibleAscii));
+        assert_eq!(
+            key_of("caf\u{e9}".as_bytes()),
+            Err(KeyError::NotVisibleAscii)
+        );
+        assert_eq!(key_of(b"\"abc"), Err(KeyError::BadQuoting));
+        assert_eq!(key_of(b"\"a\\nb\""), Err(KeyError::BadQuoting));
+        assert_eq!(key_of(&[b'k'; 17]), Err(KeyError::TooLong { max: 16 }));
+        assert_eq!(key_of(&[b'k'; 16]), Ok(Some("k".repeat(16))));
+        let name = HeaderName::from_static("idempotency-key");
+        let twice = headers(&[("idempotency-key", b"a"), ("idempotency-key", b"b")]);
+        assert_eq!(key(&twice, &name, 16), Err(KeyError::Repeated));
+        assert_eq!(key(&HeaderMap::new(), &name, 16), Ok(None));
+    }
+
+    #[test]
+    fn owners_are_hashed() {
+        let h = headers(&[
+            ("authorization", b"Bearer sk-secret"),
+            ("x-owner-id", b"team-a"),
+        ]);
+        let bearer = owner(&OwnerMode::Bearer, &h).unwrap();
+        assert_eq!(bearer, hex::encode(Sha256::digest(b"Bearer sk-secret")));
+        assert!(!bearer.contains("sk-secret"));
+        let by_header = owner(
+            &OwnerMode::Header(HeaderName::from_static("x-owner-id")),
+            &h,
+        );
+        assert_eq!(by_header, Some(hex::encode(Sha256::digest(b"team-a"))));
+        assert_eq!(owner(&OwnerMode::Bearer, &HeaderMap::new()), None);
+        assert_eq!(
+            owner(&OwnerMode::Bearer, &headers(&[("authorization", b" ")])),
+            None
+        );
+        assert_eq!(
+            owner(&OwnerMode::Anonymous, &HeaderMap::new()).unwrap(),
+            ANONYMOUS_OWNER
+        );
+    }
+
+    #[test]
+    fn canonical_json_ignores_order_and_whitespace() {
+        let a = fingerprint("POST", "/v1/x", br#"{"b":1,"a":{"d":[1,2],"c":"x"}}"#, &[]);
+        let b = fingerprint(
+            "POST",
+            "/v1/x",
+            b"{ \"a\" : {\"c\":\"x\", \"d\":[1, 2]},\n \"b\": 1 }",
+            &[],
+        );
+        assert_eq!(a, b);
+        assert_ne!(
+            a,
+            fingerprint("POST", "/v1/y", br#"{"b":1,"a":{"d":[1,2],"c":"x"}}"#, &[])
+        );
+        assert_ne!(
+            a,
+            fingerprint("PUT", "/v1/x", br#"{"b":1,"a":{"d":[1,2],"c":"x"}}"#, &[])
+        );
+        assert_ne!(
+            a,
+            fingerprint(
+                "POST",
+                "/v1/x?q=1",
+                br#"{"b":1,"a":{"d":[1,2],"c":"x"}}"#,
+                &[]
+            )
+        );
+        assert_ne!(
+            a,
+            fingerprint("POST", "/v1/x", br#"{"b":1,"a":{"d":[2,1],"c":"x"}}"#, &[])
+        );
+    }
+
+    #[test]
+    fn non_json_bodies_hash_raw() {
+        let a = fingerprint("POST", "/u", b"a=1&b=2", &[]);
+        assert_ne!(a, fingerprint("POST", "/u", b"b=2&a=1", &[]));
+        assert_eq!(a, fingerprint("POST", "/u", b"a=1&b=2", &[]));
+    }
+
+    #[test]
+    fn ignored_pointers_are_removed_first() {
+        let ignore = [
+            IgnoredPointer::parse("/metadata/trace_id").unwrap(),
+            IgnoredPointer::parse("/tags/0").unwrap(),
+        ];
+        let a = fingerprint(
+            "POST",
+            "/x",
+            br#"{"m":1,"metadata":{"trace_id":"a","u":1},"tags":["t1","k"]}"#,
+            &ignore,
+        );
+        let b = fingerprint(
+            "POST",
+            "/x",
+            br#"{"m":1,"metadata":{"trace_id":"b","u":1},"tags":["t2","k"]}"#,
+            &ignore,
+        );
+        let c = fingerprint(
+            "POST",
+            "/x",
+            br#"{"m":1,"metadata":{"trace_id":"b","u":2},"tags":["t2","k"]}"#,
+            &ignore,
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(IgnoredPointer::parse("metadata").is_err());
+        assert_eq!(
+            IgnoredPointer::parse("/a~1b/c~0d").unwrap().0,
+            vec!["a/b", "c~d"]
+        );
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            "[a-z0-9 ]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z]{1,4}", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Serialises `value` with every object's keys in a shuffled order, and arbitrary spacing.
+    fn next(seed: &mut u64) -> usize {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 33) as usize
+    }
+
+    fn reordered(value: &Value, seed: &mut u64, out: &mut String) {
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                for i in (1..entries.len()).rev() {
+                    entries.swap(i, next(seed) % (i + 1));
+                }
+                out.push('{');
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(if next(seed) % 2 == 0 { "," } else { " ,\n " });
+                    }
+                    out.push_str(&serde_json::to_string(k).unwrap());
+                    out.push_str(if next(seed) % 2 == 0 { ":" } else { " : " });
+                    reordered(v, seed, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    reordered(v, seed, out);
+                }
+                out.push(']');
+            }
+            scalar => out.push_str(&scalar.to_string()),
+        }
+    }
+
+    /// Every path to a leaf, as pointer tokens.
+    fn leaves(value: &Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match value {
+            Value::Object(map) if !map.is_empty() => {
+                for (k, v) in map {
+                    path.push(k.clone());
+                    leaves(v, path, out);
+                    path.pop();
+                }
+            }
+            Value::Array(items) if !items.is_empty() => {
+                for (i, v) in items.iter().enumerate() {
+                    path.push(i.to_string());
+                    leaves(v, path, out);
+                    path.pop();
+                }
+            }
+            _ => out.push(path.clone()),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn reordering_keys_never_changes_the_fingerprint(value in json_value(), seed in any::<u64>()) {
+            let mut seed = seed;
+            let mut text = String::new();
+            reordered(&value, &mut seed, &mut text);
+            let original = serde_json::to_vec(&value).unwrap();
+            prop_assert_eq!(
+                fingerprint("POST", "/v1", &original, &[]),
+                fingerprint("POST", "/v1", text.as_bytes(), &[])
+            );
+        }
+
+        #[test]
+        fn changing_any_value_changes_the_fingerprint(value in json_value(), pick in any::<usize>()) {
+            let mut paths = Vec::new();
+            leaves(&value, &mut Vec::new(), &mut paths);
+            let path = &paths[pick % paths.len()];
+            let mut changed = value.clone();
+            let pointer: String = path.iter().map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1"))).collect();
+            let leaf = changed.pointer_mut(&pointer).unwrap();
+            // A value of another type can never equal the original leaf.
+            *leaf = match leaf {
+                Value::String(s) => Value::String(format!("{s}!")),
+                _ => Value::String("changed".into()),
+            };
+            prop_assert_ne!(
+                fingerprint("POST", "/v1", &serde_json::to_vec(&value).unwrap(), &[]),
+                fingerprint("POST", "/v1", &serde_json::to_vec(&changed).unwrap(), &[])
+            );
+        }
+    }
+}

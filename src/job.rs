@@ -1,0 +1,961 @@
+//! Jobs and attempts: the records, and the pure rules that move them between states.
+//!
+//! Every store applies [`JobRecord::apply`] atomically (under a lock, in a transaction, or in
+//! a script that mirrors it), so the rules of SPEC §2 live here once and are unit-tested here.
+//!
+//! The job's `version` is a fencing token. Every transition that ends or restarts a round
+//! (completion, failure, cancellation, re-opening) bumps it; marking a job `unknown` does not,
+//! because the attempt that timed out may still legitimately finish. Every transition issued
+//! by a round names the version the round read, so a round that was cancelled and re-opened
+//! behind its back can no longer touch the job.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use serde::Serialize;
+
+/// A job's id, as returned in `X-Idempotency-Job-Id`.
+pub type JobId = String;
+
+/// Mints a new job id: time-ordered (UUIDv7), so ids sort by creation in logs and listings.
+pub fn new_job_id() -> JobId {
+    format!("job_{}", uuid::Uuid::now_v7().simple())
+}
+
+/// Where a job is in its life (SPEC §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    InProgress,
+    Succeeded,
+    Failed,
+    Unknown,
+    Cancelled,
+}
+
+impl JobState {
+    /// Settled jobs hold their final word; `in_progress` and `unknown` may still change.
+    pub fn is_settled(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Unknown => "unknown",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where one attempt is in its life (SPEC §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptState {
+    Started,
+    Succeeded,
+    Failed,
+    Unknown,
+    LostRace,
+    ContractRejected,
+    Cancelled,
+}
+
+impl AttemptState {
+    /// An attempt that may still produce an answer: its upstream call may be alive.
+    pub fn is_live(self) -> bool {
+        matches!(self, Self::Started | Self::Unknown)
+    }
+}
+
+/// The answer a job settled with, replayed byte for byte. Hop-by-hop headers are never kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// Header names (lower case) and raw values, in the order the provider sent them.
+    pub headers: Vec<(String, Bytes)>,
+    pub body: Bytes,
+}
+
+/// The durable record of one intent.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub id: JobId,
+    /// SHA-256 of the owner's credential or identity, never the raw value.
+    pub owner: String,
+    pub key: String,
+    pub fingerprint: String,
+    pub route: String,
+    pub state: JobState,
+    pub version: u64,
+    /// The winning attempt's ordinal, set once, only by a successful completion.
+    pub completed_by: Option<u32>,
+    pub created_at: SystemTime,
+    pub updated_at: SystemTime,
+    pub expires_at: SystemTime,
+    /// Until when the gateway running the job vouches that it is alive (SPEC §4 lease).
+    pub lease_until: SystemTime,
+    pub response: Option<StoredResponse>,
+}
+
+/// One try at fulfilling a job against one provider.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attempt {
+    pub n: u32,
+    pub provider: String,
+    pub state: AttemptState,
+    /// The job version this attempt read when it started: its fencing token for completion.
+    pub read_version: u64,
+    pub started_at: SystemTime,
+    pub finished_at: Option<SystemTime>,
+    pub upstream_status: Option<u16>,
+    pub error: Option<String>,
+}
+
+/// A job with its attempts: the unit every store reads and writes atomically.
+#[derive(Clone, Debug)]
+pub struct JobRecord {
+    pub job: Job,
+    pub attempts: Vec<Attempt>,
+}
+
+/// How long records live, so every store computes `expires_at` the same way.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpiryPolicy {
+    pub retention: Duration,
+    /// An unsettled job is kept at least this much longer than a settled one, so no new
+    /// claim can slip in while an attempt of it may still land.
+    pub late_result_window: Duration,
+}
+
+impl ExpiryPolicy {
+    fn expires_at(&self, state: JobState, now: SystemTime) -> SystemTime {
+        if state.is_settled() {
+            now + self.retention
+        } else {
+            now + self.retention + self.late_result_window
+        }
+    }
+}
+
+/// What a claim found when the (owner, key) already had a job (SPEC §3 step 6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// The key was used for a different payload.
+    Conflict,
+    /// The job holds its answer.
+    Replay,
+    /// Another request is running the job and its gateway is alive.
+    InFlight,
+    /// The job is `in_progress` but the gateway running it stopped renewing its lease.
+    LeaseLapsed,
+    /// An attempt may have run; nobody knows.
+    Unknown,
+    /// The last round failed or was cancelled: a retry may open a new round at this version.
+    Reopenable { version: u64 },
+}
+
+/// A change to a job, issued by a round, a late answer, the admin API or a newcomer.
+#[derive(Clone, Debug)]
+pub enum Transition {
+    /// Register a new attempt in the round that read `version`.
+    StartAttempt {
+        version: u64,
+        provider: String,
+    },
+    /// The compare-and-swap of SPEC §2: attempt `n` offers its final answer.
+    Complete {
+        n: u32,
+        response: StoredResponse,
+    },
+    /// Attempt `n` definitely failed (or broke the contract).
+    FailAttempt {
+        n: u32,
+        kind: Failure,
+        upstream_status: Option<u16>,
+        error: Option<String>,
+    },
+    /// Attempt `n` timed out: its upstream call may still be alive.
+    AttemptUnknown {
+        n: u32,
+        error: String,
+    },
+    /// No attempt of the round is running and at least one timed out.
+    MarkUnknown {
+        version: u64,
+    },
+    /// Every provider of the round definitely failed.
+    FailRound {
+        version: u64,
+    },
+    /// Out-of-band resolution (admin API).
+    Cancel,
+    /// A retry opens a new round after `failed`/`cancelled`.
+    Reopen {
+        version: u64,
+        lease_until: SystemTime,
+    },
+    RenewLease {
+        version: u64,
+        until: SystemTime,
+    },
+    /// A newcomer found the job `in_progress` with its lease lapsed.
+    ExpireLease {
+        version: u64,
+    },
+}
+
+/// Why an attempt failed definitely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    Failed,
+    ContractRejected,
+}
+
+/// What a transition did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effect {
+    AttemptStarted {
+        n: u32,
+        read_version: u64,
+    },
+    /// The attempt completed the job.
+    Won,
+    /// The compare-and-swap touched nothing; the attempt is `lost_race` (or stays
+    /// `cancelled`) and its payload was dropped.
+    LostRace {
+        completed_by: Option<u32>,
+    },
+    /// The attempt is recorded as failed; `job_failed` when that was the job's last hope.
+    AttemptFailed {
+        job_failed: bool,
+    },
+    /// The attempt's answer was discarded: it had been cancelled, or already settled.
+    Discarded,
+    Applied,
+}
+
+/// A transition that does not apply to the job as it is; nothing was changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("job is {state} at version {version}, not as the transition expected")]
+    WrongState { state: JobState, version: u64 },
+    #[error("job has no attempt {0}")]
+    NoSuchAttempt(u32),
+    #[error("job is already settled ({0})")]
+    AlreadySettled(JobState),
+}
+
+impl JobRecord {
+    /// A freshly claimed job: `in_progress`, version 1, no attempts, leased until `lease_until`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: JobId,
+        owner: String,
+        key: String,
+        fingerprint: String,
+        route: String,
+        now: SystemTime,
+        lease_until: SystemTime,
+        policy: &ExpiryPolicy,
+    ) -> Self {
+        Self {
+            job: Job {
+                id,
+                owner,
+                key,
+                fingerprint,
+                route,
+                state: JobState::InProgress,
+                version: 1,
+                completed_by: None,
+                created_at: now,
+                updated_at: now,
+                expires_at: policy.expires_at(JobState::InProgress, now),
+                lease_until,
+                response: None,
+            },
+            attempts: Vec::new(),
+        }
+    }
+
+    /// What a claim with `fingerprint` found. The fingerprint check comes first, so a
+    /// different payload is reported as reuse whatever the job's state.
+    pub fn classify(&self, fingerprint: &str, now: SystemTime) -> Found {
+        if self.job.fingerprint != fingerprint {
+            return Found::Conflict;
+        }
+        match self.job.state {
+            JobState::Succeeded => Found::Replay,
+            JobState::InProgress if self.job.lease_until <= now => Found::LeaseLapsed,
+            JobState::InProgress => Found::InFlight,
+            JobState::Unknown => Found::Unknown,
+            JobState::Failed | JobState::Cancelled => Found::Reopenable {
+                version: self.job.version,
+            },
+        }
+    }
+
+    pub fn is_expired(&self, now: SystemTime) -> bool {
+        self.job.expires_at <= now
+    }
+
+    pub fn attempt(&self, n: u32) -> Option<&Attempt> {
+        self.attempts.iter().find(|a| a.n == n)
+    }
+
+    /// Applies one transition, or rejects it without changing anything.
+    pub fn apply(
+        &mut self,
+        transition: Transition,
+        now: SystemTime,
+        policy: &ExpiryPolicy,
+    ) -> Result<Effect, Rejection> {
+        let effect = self.transition(transition, now)?;
+        self.job.updated_at = now;
+        self.job.expires_at = policy.expires_at(self.job.state, now);
+        Ok(effect)
+    }
+
+    fn transition(&mut self, transition: Transition, now: SystemTime) -> Result<Effect, Rejection> {
+        match transition {
+            Transition::StartAttempt { version, provider } => {
+                self.expect(JobState::InProgress, version)?;
+                let n = self.attempts.last().map_or(1, |a| a.n + 1);
+                self.attempts.push(Attempt {
+                    n,
+                    provider,
+                    state: AttemptState::Started,
+                    read_version: version,
+                    started_at: now,
+                    finished_at: None,
+                    upstream_status: None,
+                    error: None,
+                });
+                Ok(Effect::AttemptStarted {
+                    n,
+                    read_version: version,
+                })
+            }
+            Transition::Complete { n, response } => self.complete(n, response, now),
+            Transition::FailAttempt {
+                n,
+                kind,
+                upstream_status,
+                error,
+            } => self.fail_attempt(n, kind, upstream_status, error, now),
+            Transition::AttemptUnknown { n, error } => {
+                let attempt = self.attempt_mut(n)?;
+                if attempt.state != AttemptState::Started {
+                    return Ok(Effect::Discarded);
+                }
+                attempt.state = AttemptState::Unknown;
+                attempt.error = Some(error);
+                Ok(Effect::Applied)
+            }
+            Transition::MarkUnknown { version } | Transition::ExpireLease { version } => {
+                self.expect(JobState::InProgress, version)?;
+                self.job.state = JobState::Unknown;
+                for attempt in &mut self.attempts {
+                    if attempt.state == AttemptState::Started {
+                        attempt.state = AttemptState::Unknown;
+                        attempt
+                            .error
+                            .get_or_insert_with(|| "outcome unknown".into());
+                    }
+                }
+                Ok(Effect::Applied)
+            }
+            Transition::FailRound { version } => {
+                self.expect(JobState::InProgress, version)?;
+                self.job.state = JobState::Failed;
+                self.job.version += 1;
+                Ok(Effect::Applied)
+            }
+            Transition::Cancel => {
+                if self.job.state.is_settled() {
+                    return Err(Rejection::AlreadySettled(self.job.state));
+                }
+                self.job.state = JobState::Cancelled;
+                self.job.version += 1;
+                for attempt in &mut self.attempts {
+                    if attempt.state.is_live() {
+                        attempt.state = AttemptState::Cancelled;
+                        attempt.finished_at = Some(now);
+                    }
+                }
+                Ok(Effect::Applied)
+            }
+            Transition::Reopen {
+                version,
+                lease_until,
+            } => {
+                if !matches!(self.job.state, JobState::Failed | JobState::Cancelled)
+                    || self.job.version != version
+                {
+                    return Err(self.wrong_state());
+                }
+                self.job.state = JobState::InProgress;
+                self.job.version += 1;
+                self.job.lease_until = lease_until;
+                Ok(Effect::Applied)
+            }
+            Transition::RenewLease { version, until } => {
+                self.expect(JobState::InProgress, version)?;
+                self.job.lease_until = until;
+                Ok(Effect::Applied)
+            }
+        }
+    }
+
+    /// SPEC §2: `job.version == attempt.read_version AND job.completed_by IS NULL AND
+    /// job.state IN (in_progress, unknown)`, or the attempt is `lost_race` and its payload
+    /// is dropped whole.
+    fn complete(
+        &mut self,
+        n: u32,
+        response: StoredResponse,
+        now: SystemTime,
+    ) -> Result<Effect, Rejection> {
+        let job = &self.job;
+        let attempt = self
+            .attempts
+            .iter()
+            .find(|a| a.n == n)
+            .ok_or(Rejection::NoSuchAttempt(n))?;
+        if attempt.state == AttemptState::Succeeded && job.completed_by == Some(n) {
+            // Re-applied after a store blip swallowed the first reply: the same win.
+            return Ok(Effect::Won);
+        }
+        if !attempt.state.is_live() {
+            // A cancelled attempt stays cancelled; an already finished one cannot finish twice.
+            return Ok(Effect::Discarded);
+        }
+        let wins = job.version == attempt.read_version
+            && job.completed_by.is_none()
+            && matches!(job.state, JobState::InProgress | JobState::Unknown);
+        let completed_by = job.completed_by;
+        let status = response.status;
+        let attempt = self.attempt_mut(n)?;
+        attempt.finished_at = Some(now);
+        attempt.upstream_status = Some(status);
+        if !wins {
+            attempt.state = AttemptState::LostRace;
+            return Ok(Effect::LostRace { completed_by });
+        }
+        attempt.state = AttemptState::Succeeded;
+        self.job.state = JobState::Succeeded;
+        self.job.completed_by = Some(n);
+        self.job.version += 1;
+        self.job.response = Some(response);
+        Ok(Effect::Won)
+    }
+
+    fn fail_attempt(
+        &mut self,
+        n: u32,
+        kind: Failure,
+        upstream_status: Option<u16>,
+        error: Option<String>,
+        now: SystemTime,
+    ) -> Result<Effect, Rejection> {
+        let attempt = self.attempt_mut(n)?;
+        if !attempt.state.is_live() {
+            return Ok(Effect::Discarded);
+        }
+        let was_unknown = attempt.state == AttemptState::Unknown;
+        let read_version = attempt.read_version;
+        attempt.state = match kind {
+            Failure::Failed => AttemptState::Failed,
+            Failure::ContractRejected => AttemptState::ContractRejected,
+        };
+        attempt.finished_at = Some(now);
+        attempt.upstream_status = upstream_status;
+        attempt.error = error;
+        // A late definite failure resolves an `unknown` job once nothing else may land.
+        let job_failed = was_unknown
+            && self.job.state == JobState::Unknown
+            && self.job.version == read_version
+            && !self.attempts.iter().any(|a| a.state.is_live());
+        if job_failed {
+            self.job.state = JobState::Failed;
+            self.job.version += 1;
+        }
+        Ok(Effect::AttemptFailed { job_failed })
+    }
+
+    fn expect(&self, state: JobState, version: u64) -> Result<(), Rejection> {
+        if self.job.state == state && self.job.version == version {
+            Ok(())
+        } else {
+            Err(self.wrong_state())
+        }
+    }
+
+    fn wrong_state(&self) -> Rejection {
+        Rejection::WrongState {
+            state: self.job.state,
+            version: self.job.version,
+        }
+    }
+
+    fn attempt_mut(&mut self, n: u32) -> Result<&mut Attempt, Rejection> {
+        self.attempts
+            .iter_mut()
+            .find(|a| a.n == n)
+            .ok_or(Rejection::NoSuchAttempt(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: ExpiryPolicy = ExpiryPolicy {
+        retention: Duration::from_secs(100),
+        late_result_window: Duration::from_secs(10),
+    };
+
+    fn t(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + secs)
+    }
+
+    fn record() -> JobRecord {
+        JobRecord::new(
+            "job_1".into(),
+            "owner".into(),
+            "key".into(),
+            "fp".into(),
+            "chat".into(),
+            t(0),
+            t(30),
+            &POLICY,
+        )
+    }
+
+    fn answer(status: u16, body: &'static str) -> StoredResponse {
+        StoredResponse {
+            status,
+            headers: vec![(
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from_static(body.as_bytes()),
+        }
+    }
+
+    fn start(r: &mut JobRecord, provider: &str) -> u32 {
+        let version = r.job.version;
+        match r.apply(
+            Transition::StartAttempt {
+                version,
+                provider: provider.into(),
+            },
+            t(1),
+            &POLICY,
+        ) {
+            Ok(Effect::AttemptStarted { n, .. }) => n,
+            other => panic!("start failed: {other:?}"),
+        }
+    }
+
+    fn complete(r: &mut JobRecord, n: u32, body: &'static str) -> Result<Effect, Rejection> {
+        r.apply(
+            Transition::Complete {
+                n,
+                response: answer(200, body),
+            },
+            t(2),
+            &POLICY,
+        )
+    }
+
+    fn fail(r: &mut JobRecord, n: u32) -> Result<Effect, Rejection> {
+        r.apply(
+            Transition::FailAttempt {
+                n,
+                kind: Failure::Failed,
+                upstream_status: Some(503),
+                error: None,
+            },
+            t(2),
+            &POLICY,
+        )
+    }
+
+    fn unknown(r: &mut JobRecord, n: u32) {
+        r.apply(
+            Transition::AttemptUnknown {
+                n,
+                error: "timeout".into(),
+            },
+            t(2),
+            &POLICY,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn new_job_is_in_progress_at_version_one() {
+        let r = record();
+        assert_eq!(r.job.state, JobState::InProgress);
+        assert_eq!(r.job.version, 1);
+        assert_eq!(r.job.completed_by, None);
+        assert_eq!(r.job.expires_at, t(110));
+    }
+
+    #[test]
+    fn classify_checks_the_fingerprint_before_the_state() {
+        let mut r = record();
+        assert_eq!(r.classify("other", t(1)), Found::Conflict);
+        assert_eq!(r.classify("fp", t(1)), Found::InFlight);
+        assert_eq!(r.classify("fp", t(30)), Found::LeaseLapsed);
+        let n = start(&mut r, "p");
+        complete(&mut r, n, "a").unwrap();
+        assert_eq!(r.classify("other", t(1)), Found::Conflict);
+        assert_eq!(r.classify("fp", t(1)), Found::Replay);
+    }
+
+    #[test]
+    fn first_completion_wins_and_bumps_the_version() {
+        let mut r = record();
+        let n = start(&mut r, "primary");
+        assert_eq!(complete(&mut r, n, "a"), Ok(Effect::Won));
+        assert_eq!(r.job.state, JobState::Succeeded);
+        assert_eq!(r.job.version, 2);
+        assert_eq!(r.job.completed_by, Some(n));
+        assert_eq!(r.attempt(n).unwrap().state, AttemptState::Succeeded);
+        assert_eq!(r.job.response.as_ref().unwrap().body, "a");
+        assert_eq!(r.job.expires_at, t(102));
+    }
+
+    #[test]
+    fn second_completion_loses_and_its_payload_is_dropped() {
+        let mut r = record();
+        let a = start(&mut r, "primary");
+        let b = start(&mut r, "fallback");
+        assert_eq!(complete(&mut r, b, "fallback"), Ok(Effect::Won));
+        assert_eq!(
+            complete(&mut r, a, "primary"),
+            Ok(Effect::LostRace {
+                completed_by: Some(b)
+            })
+        );
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::LostRace);
+        assert_eq!(r.job.completed_by, Some(b));
+        assert_eq!(r.job.version, 2);
+        assert_eq!(r.job.response.as_ref().unwrap().body, "fallback");
+    }
+
+    #[test]
+    fn cas_requires_the_read_version() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        fail(&mut r, a).unwrap();
+        r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        r.apply(
+            Transition::Reopen {
+                version: 2,
+                lease_until: t(60),
+            },
+            t(3),
+            &POLICY,
+        )
+        .unwrap();
+        assert_eq!(r.job.version, 3);
+        // Attempt 2 reads version 3. Forge an old-round attempt still live at version 1.
+        let b = start(&mut r, "p");
+        assert_eq!(r.attempt(b).unwrap().read_version, 3);
+        r.attempts[0].state = AttemptState::Unknown;
+        assert_eq!(
+            complete(&mut r, a, "stale"),
+            Ok(Effect::LostRace { completed_by: None })
+        );
+        assert_eq!(r.job.state, JobState::InProgress);
+        assert_eq!(complete(&mut r, b, "fresh"), Ok(Effect::Won));
+    }
+
+    #[test]
+    fn cas_requires_an_unsettled_job_without_a_winner() {
+        for state in [JobState::Failed, JobState::Cancelled, JobState::Succeeded] {
+            let mut r = record();
+            let a = start(&mut r, "p");
+            r.job.state = state;
+            assert_eq!(
+                complete(&mut r, a, "x"),
+                Ok(Effect::LostRace { completed_by: None }),
+                "{state}"
+            );
+            assert!(r.job.response.is_none());
+        }
+        let mut r = record();
+        let a = start(&mut r, "p");
+        r.job.completed_by = Some(9);
+        assert_eq!(
+            complete(&mut r, a, "x"),
+            Ok(Effect::LostRace {
+                completed_by: Some(9)
+            })
+        );
+    }
+
+    #[test]
+    fn timeout_marks_unknown_without_bumping_the_version_and_the_late_answer_settles() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        unknown(&mut r, a);
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Unknown);
+        r.apply(Transition::MarkUnknown { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        assert_eq!(r.job.state, JobState::Unknown);
+        assert_eq!(r.job.version, 1);
+        assert_eq!(r.classify("fp", t(4)), Found::Unknown);
+        // No new attempt while unknown.
+        assert!(r
+            .apply(
+                Transition::StartAttempt {
+                    version: 1,
+                    provider: "f".into()
+                },
+                t(4),
+                &POLICY
+            )
+            .is_err());
+        assert_eq!(complete(&mut r, a, "late"), Ok(Effect::Won));
+        assert_eq!(r.job.state, JobState::Succeeded);
+        assert_eq!(r.job.version, 2);
+    }
+
+    #[test]
+    fn a_late_definite_failure_fails_an_unknown_job() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        unknown(&mut r, a);
+        r.apply(Transition::MarkUnknown { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        assert_eq!(
+            fail(&mut r, a),
+            Ok(Effect::AttemptFailed { job_failed: true })
+        );
+        assert_eq!(r.job.state, JobState::Failed);
+        assert_eq!(r.job.version, 2);
+    }
+
+    #[test]
+    fn a_late_failure_waits_for_other_live_attempts() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        let b = start(&mut r, "f");
+        unknown(&mut r, a);
+        unknown(&mut r, b);
+        r.apply(Transition::MarkUnknown { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        assert_eq!(
+            fail(&mut r, a),
+            Ok(Effect::AttemptFailed { job_failed: false })
+        );
+        assert_eq!(r.job.state, JobState::Unknown);
+        assert_eq!(complete(&mut r, b, "late"), Ok(Effect::Won));
+    }
+
+    #[test]
+    fn a_failure_in_progress_leaves_the_job_to_its_round() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        assert_eq!(
+            fail(&mut r, a),
+            Ok(Effect::AttemptFailed { job_failed: false })
+        );
+        assert_eq!(r.job.state, JobState::InProgress);
+        assert_eq!(r.attempt(a).unwrap().upstream_status, Some(503));
+    }
+
+    #[test]
+    fn contract_rejection_is_its_own_attempt_state() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        r.apply(
+            Transition::FailAttempt {
+                n: a,
+                kind: Failure::ContractRejected,
+                upstream_status: Some(200),
+                error: Some("missing /choices".into()),
+            },
+            t(2),
+            &POLICY,
+        )
+        .unwrap();
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::ContractRejected);
+        assert!(r.job.response.is_none());
+    }
+
+    #[test]
+    fn cancel_settles_and_discards_the_late_answer() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        unknown(&mut r, a);
+        r.apply(Transition::MarkUnknown { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        r.apply(Transition::Cancel, t(4), &POLICY).unwrap();
+        assert_eq!(r.job.state, JobState::Cancelled);
+        assert_eq!(r.job.version, 2);
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Cancelled);
+        assert_eq!(complete(&mut r, a, "late"), Ok(Effect::Discarded));
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Cancelled);
+        assert!(r.job.response.is_none());
+        assert_eq!(fail(&mut r, a), Ok(Effect::Discarded));
+    }
+
+    #[test]
+    fn cancel_of_a_settled_job_is_rejected() {
+        for state in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
+            let mut r = record();
+            r.job.state = state;
+            assert_eq!(
+                r.apply(Transition::Cancel, t(1), &POLICY),
+                Err(Rejection::AlreadySettled(state))
+            );
+            assert_eq!(r.job.version, 1);
+        }
+    }
+
+    #[test]
+    fn cancel_in_progress_cancels_started_attempts() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        r.apply(Transition::Cancel, t(4), &POLICY).unwrap();
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Cancelled);
+        // The round that was running can no longer touch the job.
+        assert!(r
+            .apply(Transition::FailRound { version: 1 }, t(5), &POLICY)
+            .is_err());
+        assert!(r
+            .apply(Transition::MarkUnknown { version: 1 }, t(5), &POLICY)
+            .is_err());
+    }
+
+    #[test]
+    fn reopen_is_version_checked_so_one_of_two_retries_wins() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        fail(&mut r, a).unwrap();
+        r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        assert_eq!(r.classify("fp", t(4)), Found::Reopenable { version: 2 });
+        let reopen = Transition::Reopen {
+            version: 2,
+            lease_until: t(60),
+        };
+        assert_eq!(r.apply(reopen.clone(), t(4), &POLICY), Ok(Effect::Applied));
+        assert_eq!(
+            r.apply(reopen, t(4), &POLICY),
+            Err(Rejection::WrongState {
+                state: JobState::InProgress,
+                version: 3
+            })
+        );
+        // The new round's attempts continue the ordinals.
+        assert_eq!(start(&mut r, "p"), 2);
+    }
+
+    #[test]
+    fn reopen_refuses_unsettled_and_succeeded_jobs() {
+        for state in [JobState::InProgress, JobState::Unknown, JobState::Succeeded] {
+            let mut r = record();
+            r.job.state = state;
+            assert!(r
+                .apply(
+                    Transition::Reopen {
+                        version: 1,
+                        lease_until: t(9)
+                    },
+                    t(1),
+                    &POLICY
+                )
+                .is_err());
+        }
+    }
+
+    #[test]
+    fn lease_lapse_moves_in_progress_to_unknown() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        r.apply(
+            Transition::RenewLease {
+                version: 1,
+                until: t(50),
+            },
+            t(20),
+            &POLICY,
+        )
+        .unwrap();
+        assert_eq!(r.classify("fp", t(40)), Found::InFlight);
+        assert_eq!(r.classify("fp", t(50)), Found::LeaseLapsed);
+        r.apply(Transition::ExpireLease { version: 1 }, t(50), &POLICY)
+            .unwrap();
+        assert_eq!(r.job.state, JobState::Unknown);
+        assert_eq!(r.job.version, 1);
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Unknown);
+    }
+
+    #[test]
+    fn attempts_only_start_in_the_round_that_read_the_version() {
+        let mut r = record();
+        assert!(r
+            .apply(
+                Transition::StartAttempt {
+                    version: 7,
+                    provider: "p".into()
+                },
+                t(1),
+                &POLICY
+            )
+            .is_err());
+        assert!(r.attempts.is_empty());
+    }
+
+    #[test]
+    fn attempt_unknown_does_not_reopen_a_finished_attempt() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        complete(&mut r, a, "x").unwrap();
+        assert_eq!(
+            r.apply(
+                Transition::AttemptUnknown {
+                    n: a,
+                    error: "t".into()
+                },
+                t(3),
+                &POLICY
+            ),
+            Ok(Effect::Discarded)
+        );
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Succeeded);
+    }
+
+    #[test]
+    fn re_applying_a_win_is_the_same_win() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        assert_eq!(complete(&mut r, a, "x"), Ok(Effect::Won));
+        assert_eq!(complete(&mut r, a, "y"), Ok(Effect::Won));
+        assert_eq!(r.job.version, 2);
+        assert_eq!(r.job.response.as_ref().unwrap().body, "x");
+    }
+
+    #[test]
+    fn unknown_attempts_are_rejected() {
+        let mut r = record();
+        assert_eq!(complete(&mut r, 3, "x"), Err(Rejection::NoSuchAttempt(3)));
+    }
+}

@@ -1,0 +1,159 @@
+//! idemgate: an idempotency gateway for AI provider APIs. One job per intent; attempts
+//! (primary, fallback, retries, hedges) accumulate under it; exactly one answer is stored
+//! and replayed.
+//!
+//! # Layout
+//!
+//! - [`config`]: TOML → validated, typed config (SPEC §9).
+//! - [`intent`]: owner, idempotency key and fingerprint of a request (SPEC §3).
+//! - [`job`]: jobs, attempts, and the pure state machine with its compare-and-swap (SPEC §2).
+//! - [`store`]: the `JobStore` trait that applies that state machine atomically, and its
+//!   implementations.
+//! - [`gateway`]: the request path: route, claim, replay, wait, re-open.
+//! - `attempts`: one round of attempts: failover, timeout → unknown, hedging, late answers.
+//! - [`upstream`]: provider clients and how a client request is rewritten for a provider.
+//! - [`contract`]: what a 2xx must hold before it may settle a job (SPEC §6).
+//! - [`admin`]: health, readiness, job inspection and cancel (SPEC §8).
+//! - [`error`]: every gateway error as `application/problem+json` (SPEC §7).
+//! - `server`: the hyper accept loop with graceful shutdown.
+//!
+//! [`start`] binds both listeners and returns a [`Running`] gateway; [`run`] serves until a
+//! shutdown future resolves. Tests start gateways in-process on port 0.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::info;
+
+pub mod admin;
+mod attempts;
+pub mod body;
+pub mod config;
+pub mod contract;
+pub mod error;
+pub mod gateway;
+pub mod headers;
+pub mod intent;
+pub mod job;
+mod server;
+pub mod store;
+pub mod upstream;
+
+pub use config::Config;
+pub use gateway::Gateway;
+
+/// Why a gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot open the store: {0}")]
+    Store(#[from] store::StoreError),
+}
+
+/// A gateway serving in the background.
+#[derive(Debug)]
+pub struct Running {
+    /// Where client traffic is served.
+    pub addr: SocketAddr,
+    /// Where the admin API is served, if configured.
+    pub admin_addr: Option<SocketAddr>,
+    pub gateway: Arc<Gateway>,
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops accepting, lets requests in flight finish within `server.shutdown_grace`, and
+    /// marks the jobs of rounds that could not finish `unknown`.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+
+    /// Stops at once, like a process that was killed: no grace, no bookkeeping. For tests
+    /// of what survives a crash.
+    pub fn kill(self) {
+        self.task.abort();
+    }
+}
+
+/// Opens the store, binds the listeners and starts serving.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let config = Arc::new(config);
+    let store = store::open(&config.store, Gateway::expiry_policy(&config)).await?;
+    start_with_store(config, store).await
+}
+
+/// Like [`start`], on a store the caller opened (several gateways can share one).
+pub async fn start_with_store(
+    config: Arc<Config>,
+    store: Arc<dyn store::JobStore>,
+) -> Result<Running, StartError> {
+    let listener = server::bind(config.server.listen).await?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.server.listen,
+        source,
+    })?;
+    let admin_listener = match config.server.admin_listen {
+        Some(admin) => Some(server::bind(admin).await?),
+        None => None,
+    };
+    let admin_addr = admin_listener.as_ref().and_then(|l| l.local_addr().ok());
+    let gateway = Gateway::new(config.clone(), store);
+    let (shutdown, watch) = watch::channel(false);
+    let grace = config.server.shutdown_grace;
+
+    let client = {
+        let gateway = gateway.clone();
+        tokio::spawn(server::serve(
+            listener,
+            move |request| gateway.clone().handle(request),
+            watch.clone(),
+            grace,
+        ))
+    };
+    let admin = admin_listener.map(|listener| {
+        let token = std::env::var(&config.server.admin_token_env).ok();
+        if token.is_none() {
+            tracing::warn!(env = %config.server.admin_token_env, "no admin token set: the admin API answers 401 except /healthz and /readyz");
+        }
+        let admin = Arc::new(admin::Admin::new(gateway.clone(), token));
+        tokio::spawn(server::serve(listener, move |request| admin.clone().handle(request), watch.clone(), grace))
+    });
+    info!(%addr, admin = ?admin_addr, store = ?config.store.kind, "idemgate listening");
+
+    let task = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let _ = client.await;
+            gateway.abandon_rounds().await;
+            if let Some(admin) = admin {
+                let _ = admin.await;
+            }
+            info!("idemgate stopped");
+        })
+    };
+    Ok(Running {
+        addr,
+        admin_addr,
+        gateway,
+        shutdown,
+        task,
+    })
+}
+
+/// Serves until `shutdown` resolves, then shuts down gracefully.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    let running = start(config).await?;
+    shutdown.await;
+    info!("shutting down");
+    running.shutdown().await;
+    Ok(())
+}

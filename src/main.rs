@@ -1,0 +1,91 @@
+//! The `idemgate` binary: command line, tracing, config, then [`idemgate::run`].
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "idemgate",
+    version,
+    about = "An idempotency gateway for AI provider APIs"
+)]
+struct Cli {
+    /// The config file to serve with.
+    #[arg(long, env = "IDEMGATE_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Validate a config file and exit.
+    CheckConfig { file: PathBuf },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Some(Command::CheckConfig { file }) => match idemgate::Config::from_file(&file) {
+            Ok(_) => {
+                println!("{}: ok", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        None => serve(cli.config),
+    }
+}
+
+fn serve(path: Option<PathBuf>) -> ExitCode {
+    let Some(path) = path else {
+        eprintln!("idemgate: no config file: pass --config FILE or set IDEMGATE_CONFIG");
+        return ExitCode::from(2);
+    };
+    let config = match idemgate::Config::from_file(&path) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the tokio runtime starts");
+    match runtime.block_on(idemgate::run(config, shutdown_signal())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM can be handled");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

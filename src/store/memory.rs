@@ -1,0 +1,174 @@
+//! The in-memory store: one process, nothing durable. For tests, development and as the
+//! reference the other stores are held to by the conformance suite.
+//!
+//! One `std::sync::Mutex` guards everything: every critical section is a hash lookup plus a
+//! pure transition, never held across an `.await`, so a finer-grained scheme would buy
+//! nothing measurable next to a provider round trip.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use super::{Applied, Claim, JobStore, StoreError};
+use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
+
+#[derive(Debug)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<State>>,
+    policy: ExpiryPolicy,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// (owner, key) → job id: the identity index the claim is atomic over.
+    by_key: HashMap<(String, String), JobId>,
+    jobs: HashMap<JobId, Entry>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    record: JobRecord,
+    /// Wakes requests waiting for this job to change.
+    changed: Arc<Notify>,
+}
+
+impl State {
+    fn remove(&mut self, id: &str) {
+        if let Some(entry) = self.jobs.remove(id) {
+            let job = entry.record.job;
+            self.by_key.remove(&(job.owner, job.key));
+            entry.changed.notify_waiters();
+        }
+    }
+}
+
+impl MemoryStore {
+    /// A new store with a background sweep of expired jobs that ends when the store drops.
+    pub fn new(policy: ExpiryPolicy) -> Self {
+        let inner = Arc::new(Mutex::new(State::default()));
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&inner);
+            let every = policy
+                .retention
+                .clamp(Duration::from_secs(1), Duration::from_secs(60));
+            handle.spawn(sweep(weak, every));
+        }
+        Self { inner, policy }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave a half-applied transition: records
+        // are replaced only after the pure transition returned.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn notifier(&self, id: &str) -> Result<(Arc<Notify>, JobRecord), StoreError> {
+        let state = self.lock();
+        let entry = state
+            .jobs
+            .get(id)
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        Ok((entry.changed.clone(), entry.record.clone()))
+    }
+}
+
+async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        let Some(state) = state.upgrade() else { return };
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = SystemTime::now();
+        let expired: Vec<JobId> = state
+            .jobs
+            .iter()
+            .filter(|(_, e)| e.record.is_expired(now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            state.remove(&id);
+        }
+    }
+}
+
+#[async_trait]
+impl JobStore for MemoryStore {
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let mut state = self.lock();
+        let index = (record.job.owner.clone(), record.job.key.clone());
+        if let Some(id) = state.by_key.get(&index).cloned() {
+            match state.jobs.get(&id) {
+                Some(entry) if !entry.record.is_expired(now) => {
+                    return Ok(Claim::Existing(entry.record.clone()));
+                }
+                _ => state.remove(&id),
+            }
+        }
+        state.by_key.insert(index, record.job.id.clone());
+        state.jobs.insert(
+            record.job.id.clone(),
+            Entry {
+                record: record.clone(),
+                changed: Arc::new(Notify::new()),
+            },
+        );
+        Ok(Claim::Created(record))
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        Ok(self.lock().jobs.get(id).map(|e| e.record.clone()))
+    }
+
+    async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+    ) -> Result<Applied, StoreError> {
+        let mut state = self.lock();
+        let entry = state
+            .jobs
+            .get_mut(id)
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let outcome = entry.record.apply(transition, now, &self.policy);
+        if outcome.is_ok() {
+            entry.changed.notify_waiters();
+        }
+        Ok(Applied {
+            outcome,
+            record: entry.record.clone(),
+        })
+    }
+
+    async fn wait_change(
+        &self,
+        id: &str,
+        seen_version: u64,
+        seen_state: JobState,
+        timeout: Duration,
+    ) -> Result<JobRecord, StoreError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let (changed, _) = self.notifier(id)?;
+            let notified = changed.notified();
+            tokio::pin!(notified);
+            // Registered before the re-read, so a change between the read and the await
+            // still wakes us.
+            notified.as_mut().enable();
+            let (_, record) = self.notifier(id)?;
+            if record.job.version != seen_version || record.job.state != seen_state {
+                return Ok(record);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(record);
+            }
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! The job store: the one place that enforces identity. (owner, key) is claimed atomically,
+//! and every [`Transition`] is applied atomically with the pure rules of [`crate::job`].
+//!
+//! The gateway holds an `Arc<dyn JobStore>`: one vtable call per store operation is
+//! negligible next to the network round trip to a provider, and it lets the store be chosen
+//! from the config at start-up without making the whole gateway generic.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use crate::config::{StoreConfig, StoreKind};
+use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Transition};
+
+pub mod memory;
+
+/// The store could not answer. Never a reason to call a provider without a claim.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("job {0} not found")]
+    NotFound(JobId),
+}
+
+/// What a claim of (owner, key) found.
+#[derive(Debug)]
+pub enum Claim {
+    /// The key was free (or its old job had expired): this record is now the job.
+    Created(JobRecord),
+    /// The key already names this job.
+    Existing(JobRecord),
+}
+
+/// The result of applying a transition: what it did (or why it did not apply), and the
+/// record as it is afterwards.
+#[derive(Debug)]
+pub struct Applied {
+    pub outcome: Result<Effect, Rejection>,
+    pub record: JobRecord,
+}
+
+#[async_trait]
+pub trait JobStore: Send + Sync + Debug + 'static {
+    /// Creates `record` as the job of its (owner, key) unless a live job already holds
+    /// them, in one atomic step. An expired job is replaced.
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError>;
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError>;
+
+    /// Applies one transition atomically; [`StoreError::NotFound`] if the job is gone.
+    async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+    ) -> Result<Applied, StoreError>;
+
+    /// Waits until the job's version or state differs from what the caller saw, or
+    /// `timeout` passes, and returns the record as it then is. Woken by a notification,
+    /// not a poll.
+    async fn wait_change(
+        &self,
+        id: &str,
+        seen_version: u64,
+        seen_state: JobState,
+        timeout: Duration,
+    ) -> Result<JobRecord, StoreError>;
+
+    /// Whether the store answers (`/readyz`).
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Opens the store the config names.
+pub async fn open(
+    config: &StoreConfig,
+    policy: ExpiryPolicy,
+) -> Result<Arc<dyn JobStore>, StoreError> {
+    match config.kind {
+        StoreKind::Memory => Ok(Arc::new(memory::MemoryStore::new(policy))),
+        StoreKind::Embedded | StoreKind::Redis => Err(StoreError::Unavailable(format!(
+            "store.kind {:?} is not available in this build; use \"memory\"",
+            config.kind
+        ))),
+    }
+}

@@ -1,0 +1,284 @@
+//! The upstream side: one pooled hyper client per provider (HTTP/1.1 and HTTP/2, rustls for
+//! https), how a client request is rewritten for a provider (SPEC §4), and how the ways an
+//! exchange can break are told apart, because that decides between failover and `unknown`.
+
+use std::error::Error as _;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::body::{self, Body};
+use crate::config::Provider;
+use crate::headers;
+use crate::job::StoredResponse;
+
+type HttpsClient = Client<HttpsConnector<HttpConnector>, Body>;
+
+/// The clients of every configured provider, by provider index.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    clients: Arc<[HttpsClient]>,
+}
+
+/// How an exchange failed before a complete response arrived.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// No connection could be made: the request was certainly not delivered.
+    #[error("connect: {0}")]
+    Connect(String),
+    /// The connection broke while the request was still being sent.
+    #[error("request not sent: {0}")]
+    NotSent(String),
+    /// The request was sent and the connection broke before any response byte.
+    #[error("connection reset before a response: {0}")]
+    Reset(String),
+    /// The response started and then broke: the provider did the work, or some of it.
+    #[error("response broken: {0}")]
+    Broken(String),
+}
+
+impl Upstream {
+    pub fn new(providers: &[Arc<Provider>]) -> Self {
+        let clients = providers.iter().map(|p| client_for(p)).collect();
+        Self { clients }
+    }
+
+    /// Sends `request` to provider `index` and reads the whole answer, calling
+    /// `on_first_byte` when the first body byte arrives (hedging counts from there).
+    pub async fn exchange(
+        &self,
+        index: usize,
+        request: Request<Body>,
+        on_first_byte: impl FnOnce(),
+    ) -> Result<StoredResponse, CallError> {
+        let response = self.clients[index]
+            .request(request)
+            .await
+            .map_err(classify)?;
+        let (parts, mut incoming) = response.into_parts();
+        let mut buf = BytesMut::new();
+        let mut on_first_byte = Some(on_first_byte);
+        while let Some(frame) = incoming.frame().await {
+            let frame = frame.map_err(|e| CallError::Broken(chain(&e)))?;
+            if let Ok(data) = frame.into_data() {
+                if !data.is_empty() {
+                    if let Some(f) = on_first_byte.take() {
+                        f();
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+        let mut headers = parts.headers;
+        headers::strip_hop_by_hop(&mut headers);
+        Ok(StoredResponse {
+            status: parts.status.as_u16(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
+                .collect(),
+            body: buf.freeze(),
+        })
+    }
+
+    /// Pass-through: sends `request` and hands back the response head with its body still
+    /// streaming.
+    pub async fn forward(
+        &self,
+        index: usize,
+        request: Request<Body>,
+    ) -> Result<Response<Incoming>, CallError> {
+        self.clients[index].request(request).await.map_err(classify)
+    }
+}
+
+fn client_for(provider: &Provider) -> HttpsClient {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(provider.connect_timeout));
+    http.set_nodelay(true);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
+        .expect("ring supports the default TLS versions")
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new()).build(https)
+}
+
+fn classify(error: hyper_util::client::legacy::Error) -> CallError {
+    let text = chain(&error);
+    if error.is_connect() {
+        return CallError::Connect(text);
+    }
+    let mut source = error.source();
+    let mut hyper_error = None;
+    while let Some(e) = source {
+        if let Some(e) = e.downcast_ref::<hyper::Error>() {
+            hyper_error = Some(e);
+            break;
+        }
+        source = e.source();
+    }
+    match hyper_error {
+        // Canceled: the pooled connection closed before the request went out.
+        Some(e) if e.is_canceled() || e.is_body_write_aborted() => CallError::NotSent(text),
+        _ => CallError::Reset(text),
+    }
+}
+
+/// An error and its causes on one line, for attempt records and logs.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+/// The parts of a client request that every attempt re-sends.
+#[derive(Debug)]
+pub struct ClientRequest {
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl ClientRequest {
+    /// Drops what must not cross the gateway: hop-by-hop headers, `Host` and
+    /// `Content-Length` (recomputed per provider) and the client's own idempotency key.
+    pub fn new(
+        method: Method,
+        path_and_query: String,
+        mut headers: HeaderMap,
+        body: Bytes,
+        key_header: &HeaderName,
+    ) -> Self {
+        headers::strip_hop_by_hop(&mut headers);
+        headers.remove(http::header::HOST);
+        headers.remove(http::header::CONTENT_LENGTH);
+        headers.remove(key_header);
+        headers.remove(headers::IDEMPOTENCY_KEY);
+        Self {
+            method,
+            path_and_query,
+            headers,
+            body,
+        }
+    }
+
+    /// The request for `provider`: its base URL, its headers, its `body_set` overrides, and
+    /// the job id as `Idempotency-Key` so a provider that dedupes can do so too.
+    pub fn for_provider(&self, provider: &Provider, job_id: Option<&str>) -> Request<Body> {
+        let mut headers = self.headers.clone();
+        for (name, value) in &provider.headers {
+            headers.insert(name.clone(), value.clone());
+        }
+        if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
+            headers.insert(headers::IDEMPOTENCY_KEY, id);
+        }
+        let body = apply_body_set(&self.body, &provider.body_set);
+        let mut request = Request::new(body::full(body));
+        *request.method_mut() = self.method.clone();
+        *request.uri_mut() = provider_uri(provider, &self.path_and_query);
+        *request.headers_mut() = headers;
+        request
+    }
+}
+
+/// `base_url` joined with the client's path and query: `https://h/api` + `/v1/x?y`.
+pub fn provider_uri(provider: &Provider, path_and_query: &str) -> Uri {
+    let mut parts = provider.base_url.clone().into_parts();
+    let joined = format!("{}{}", provider.base_path, path_and_query);
+    parts.path_and_query = Some(
+        joined
+            .parse()
+            .unwrap_or_else(|_| http::uri::PathAndQuery::from_static("/")),
+    );
+    Uri::from_parts(parts).expect("scheme and authority come from a valid base URL")
+}
+
+fn apply_body_set(body: &Bytes, set: &serde_json::Map<String, serde_json::Value>) -> Bytes {
+    if set.is_empty() {
+        return body.clone();
+    }
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut map)) => {
+            for (k, v) in set {
+                map.insert(k.clone(), v.clone());
+            }
+            Bytes::from(serde_json::to_vec(&map).expect("a JSON map serialises"))
+        }
+        // Only JSON objects have fields to override; anything else goes as it came.
+        _ => body.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider(base: &str) -> Provider {
+        let config = crate::config::Config::parse(
+            &format!(
+                r#"
+                [[providers]]
+                name = "p"
+                base_url = "{base}"
+                headers = {{ Authorization = "Bearer provider-key" }}
+                body_set = {{ model = "other-model" }}
+                [[routes]]
+                name = "r"
+                providers = ["p"]
+                "#
+            ),
+            "t",
+        )
+        .unwrap();
+        (*config.providers[0]).clone()
+    }
+
+    #[test]
+    fn requests_are_rewritten_for_the_provider() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer client".parse().unwrap());
+        h.insert("idempotency-key", "k1".parse().unwrap());
+        h.insert("connection", "keep-alive".parse().unwrap());
+        h.insert("content-length", "20".parse().unwrap());
+        h.insert("x-trace", "t".parse().unwrap());
+        let req = ClientRequest::new(
+            Method::POST,
+            "/v1/chat?x=1".into(),
+            h,
+            Bytes::from_static(br#"{"model":"gpt","n":1}"#),
+            &HeaderName::from_static("idempotency-key"),
+        );
+        let out = req.for_provider(&provider("https://example.com/api/"), Some("job_9"));
+        assert_eq!(out.uri(), "https://example.com/api/v1/chat?x=1");
+        assert_eq!(out.headers()["authorization"], "Bearer provider-key");
+        assert_eq!(out.headers()["idempotency-key"], "job_9");
+        assert_eq!(out.headers()["x-trace"], "t");
+        assert!(!out.headers().contains_key("connection"));
+        assert!(!out.headers().contains_key("content-length"));
+        let body = apply_body_set(&req.body, &provider("http://x").body_set);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["model"], "other-model");
+        assert_eq!(v["n"], 1);
+        assert_eq!(
+            apply_body_set(&Bytes::from_static(b"raw"), &provider("http://x").body_set),
+            "raw"
+        );
+    }
+}
