@@ -47,6 +47,11 @@ impl Gateway {
         })
     }
 
+    /// The store this gateway claims and settles jobs in.
+    pub fn store(&self) -> &Arc<dyn JobStore> {
+        &self.store
+    }
+
     pub fn expiry_policy(config: &Config) -> ExpiryPolicy {
         ExpiryPolicy {
             retention: config.idempotency.retention,
@@ -494,10 +499,11 @@ impl PendingBody {
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
+        let mut body = body;
         if declared.is_some_and(|len| len > limit as u64) {
+            drain(body).await;
             return Err(too_large());
         }
-        let mut body = body;
         let mut buf = bytes::BytesMut::new();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
@@ -508,6 +514,7 @@ impl PendingBody {
             })?;
             if let Ok(data) = frame.into_data() {
                 if buf.len() + data.len() > limit {
+                    drain(body).await;
                     return Err(too_large());
                 }
                 buf.extend_from_slice(&data);
@@ -517,6 +524,22 @@ impl PendingBody {
         *self = Self::Read(bytes.clone());
         Ok(bytes)
     }
+}
+
+/// Reads and discards what is left of a refused body, within bounds, so the client gets to
+/// read the 413 instead of a connection reset while it is still sending.
+async fn drain(mut body: Body) {
+    const MAX_DRAIN: usize = 64 * 1024 * 1024;
+    let mut drained = 0;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while let Some(Ok(frame)) = body.frame().await {
+            drained += frame.data_ref().map_or(0, Bytes::len);
+            if drained > MAX_DRAIN {
+                return;
+            }
+        }
+    })
+    .await;
 }
 
 fn replay(record: &JobRecord) -> Response<Body> {

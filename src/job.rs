@@ -438,6 +438,12 @@ impl JobRecord {
         }
         if !attempt.state.is_live() {
             // A cancelled attempt stays cancelled; an already finished one cannot finish twice.
+            // What the provider said is still worth showing an operator.
+            let status = response.status;
+            let attempt = self.attempt_mut(n)?;
+            if attempt.state == AttemptState::Cancelled {
+                attempt.upstream_status = Some(status);
+            }
             return Ok(Effect::Discarded);
         }
         let wins = job.version == attempt.read_version
@@ -812,6 +818,7 @@ mod tests {
         assert_eq!(r.attempt(a).unwrap().state, AttemptState::Cancelled);
         assert_eq!(complete(&mut r, a, "late"), Ok(Effect::Discarded));
         assert_eq!(r.attempt(a).unwrap().state, AttemptState::Cancelled);
+        assert_eq!(r.attempt(a).unwrap().upstream_status, Some(200));
         assert!(r.job.response.is_none());
         assert_eq!(fail(&mut r, a), Ok(Effect::Discarded));
     }

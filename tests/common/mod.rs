@@ -1,0 +1,391 @@
+//! Test harness: gateways started in-process on port 0, providers that are real HTTP
+//! servers (wiremock, or [`HeldProvider`] when a test must decide exactly when an answer
+//! leaves), and a small HTTP client.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+pub const ADMIN_TOKEN_ENV: &str = "IDEMGATE_TEST_ADMIN_TOKEN";
+
+/// Every wait in a test is bounded by this.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+pub fn fixture(name: &str) -> Bytes {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    Bytes::from(std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+}
+
+pub fn chat_request() -> Bytes {
+    fixture("openai-chat-request.json")
+}
+
+/// Runs `f` with the whole test bounded by [`PATIENCE`] times `factor`.
+pub async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(PATIENCE, f)
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// A gateway running in-process.
+pub struct TestGateway {
+    pub running: idemgate::Running,
+    pub base: String,
+    pub admin: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// A response as a test sees it.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn job_id(&self) -> String {
+        self.header("x-idempotency-job-id")
+            .unwrap_or_else(|| panic!("no job id on {self:?}"))
+            .to_owned()
+    }
+
+    /// Asserts a problem+json answer of this status and slug.
+    pub fn assert_problem(&self, status: u16, slug: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let body = self.json();
+        assert_eq!(body["type"], format!("urn:idemgate:{slug}"), "{body}");
+        assert_eq!(body["status"], status, "{body}");
+        assert!(
+            body["title"].is_string() && body["detail"].is_string(),
+            "{body}"
+        );
+    }
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Reply {
+    let mut request = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let request = request.body(Full::new(body)).unwrap();
+    let response = bounded("a response", client.request(request))
+        .await
+        .expect("the request is answered");
+    let (parts, body) = response.into_parts();
+    let body = bounded("a response body", body.collect())
+        .await
+        .expect("the body arrives")
+        .to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+impl TestGateway {
+    /// Starts a gateway on `config` (TOML without `[server]`, which this adds).
+    pub async fn start(config: &str) -> Self {
+        let store = idemgate::store::memory::MemoryStore::new(idemgate::job::ExpiryPolicy {
+            retention: Duration::from_secs(3600),
+            late_result_window: Duration::from_secs(600),
+        });
+        Self::start_on(config, Arc::new(store)).await
+    }
+
+    pub async fn start_on(config: &str, store: Arc<dyn idemgate::store::JobStore>) -> Self {
+        std::env::set_var(ADMIN_TOKEN_ENV, ADMIN_TOKEN);
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\nshutdown_grace = \"2s\"\n{config}"
+        );
+        let config = idemgate::Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
+        let running = idemgate::start_with_store(Arc::new(config), store)
+            .await
+            .expect("the gateway starts");
+        Self {
+            base: format!("http://{}", running.addr),
+            admin: format!("http://{}", running.admin_addr.unwrap()),
+            running,
+            client: client(),
+        }
+    }
+
+    pub async fn post(&self, path: &str, key: Option<&str>, body: Bytes) -> Reply {
+        let mut headers = vec![
+            ("authorization", "Bearer sk-client-1"),
+            ("content-type", "application/json"),
+        ];
+        if let Some(key) = key {
+            headers.push(("idempotency-key", key));
+        }
+        self.request(Method::POST, path, &headers, body).await
+    }
+
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Reply {
+        send(
+            &self.client,
+            method,
+            &format!("{}{path}", self.base),
+            headers,
+            body,
+        )
+        .await
+    }
+
+    pub async fn admin_get(&self, path: &str) -> Reply {
+        let auth = format!("Bearer {ADMIN_TOKEN}");
+        send(
+            &self.client,
+            Method::GET,
+            &format!("{}{path}", self.admin),
+            &[("authorization", &auth)],
+            Bytes::new(),
+        )
+        .await
+    }
+
+    pub async fn admin_post(&self, path: &str) -> Reply {
+        let auth = format!("Bearer {ADMIN_TOKEN}");
+        send(
+            &self.client,
+            Method::POST,
+            &format!("{}{path}", self.admin),
+            &[("authorization", &auth)],
+            Bytes::new(),
+        )
+        .await
+    }
+
+    /// The admin view of a job: `{"job": {...}, "attempts": [...]}`.
+    pub async fn job(&self, id: &str) -> Value {
+        let reply = self.admin_get(&format!("/jobs/{id}")).await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.json()
+    }
+
+    /// Waits (bounded) until the admin view of a job satisfies `check`. For state that has
+    /// no notification a test can subscribe to, such as an attempt losing a race.
+    pub async fn job_eventually(&self, id: &str, check: impl Fn(&Value) -> bool) -> Value {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let view = self.job(id).await;
+            if check(&view) {
+                return view;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "job never reached the expected state: {view}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits for the job to leave (`version`, `state`), through the store's own notification.
+    pub async fn wait_job_change(&self, id: &str, version: u64, state: &str) -> serde_json::Value {
+        let store = self.running.gateway.store();
+        let record = bounded(
+            "a job change",
+            store.wait_change(id, version, state_of(state), PATIENCE),
+        )
+        .await
+        .unwrap();
+        assert!(
+            record.job.version != version || record.job.state.as_str() != state,
+            "job {id} never left {state} at version {version}"
+        );
+        self.job(id).await
+    }
+}
+
+fn state_of(s: &str) -> idemgate::job::JobState {
+    use idemgate::job::JobState::*;
+    match s {
+        "in_progress" => InProgress,
+        "succeeded" => Succeeded,
+        "failed" => Failed,
+        "unknown" => Unknown,
+        _ => Cancelled,
+    }
+}
+
+/// A port nothing listens on: bound, then released.
+pub async fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A provider whose every request is handed to the test, which decides when and how it is
+/// answered. Counts the requests it received.
+pub struct HeldProvider {
+    pub addr: SocketAddr,
+    calls: mpsc::UnboundedReceiver<HeldCall>,
+    count: Arc<AtomicUsize>,
+}
+
+/// One request held at a [`HeldProvider`].
+pub struct HeldCall {
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    reply: oneshot::Sender<(u16, Vec<(String, String)>, Bytes)>,
+}
+
+impl HeldCall {
+    pub fn answer(self, status: u16, body: Bytes) {
+        self.answer_with(status, &[("content-type", "application/json")], body);
+    }
+
+    pub fn answer_with(self, status: u16, headers: &[(&str, &str)], body: Bytes) {
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let _ = self.reply.send((status, headers, body));
+    }
+}
+
+impl HeldProvider {
+    pub async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, calls) = mpsc::unbounded_channel();
+        let count = Arc::new(AtomicUsize::new(0));
+        let counter = count.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let tx = tx.clone();
+                let counter = counter.clone();
+                let service = service_fn(move |request: Request<Incoming>| {
+                    let tx = tx.clone();
+                    let counter = counter.clone();
+                    async move {
+                        let (parts, body) = request.into_parts();
+                        let body = body
+                            .collect()
+                            .await
+                            .map_err(std::io::Error::other)?
+                            .to_bytes();
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        let (reply, answer) = oneshot::channel();
+                        let _ = tx.send(HeldCall {
+                            headers: parts.headers,
+                            body,
+                            reply,
+                        });
+                        // A dropped call closes the connection without an answer.
+                        let (status, headers, body) = match answer.await {
+                            Ok(answer) => answer,
+                            Err(_) => return Err(std::io::Error::other("dropped")),
+                        };
+                        let mut response = hyper::Response::new(Full::new(body));
+                        *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                        for (k, v) in headers {
+                            response.headers_mut().insert(
+                                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                                v.parse().unwrap(),
+                            );
+                        }
+                        Ok::<_, std::io::Error>(response)
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, calls, count }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The next request to arrive (bounded wait).
+    pub async fn next_call(&mut self) -> HeldCall {
+        bounded("a provider call", self.calls.recv())
+            .await
+            .expect("the provider is running")
+    }
+
+    /// Asserts that no further request arrives within `quiet`.
+    pub async fn assert_no_call_within(&mut self, quiet: Duration) {
+        if let Ok(Some(_)) = tokio::time::timeout(quiet, self.calls.recv()).await {
+            panic!("an unexpected provider call arrived");
+        }
+    }
+
+    pub fn calls(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+}
+
+/// How many requests a wiremock server received.
+pub async fn received(server: &wiremock::MockServer) -> usize {
+    server.received_requests().await.map_or(0, |r| r.len())
+}
+
+/// Headers of a reply without the ones that legitimately differ between a first answer and
+/// its replay.
+pub fn comparable_headers(reply: &Reply) -> HashMap<String, String> {
+    reply
+        .headers
+        .iter()
+        .filter(|(k, _)| *k != "idempotent-replayed")
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_owned()))
+        .collect()
+}
