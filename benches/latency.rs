@@ -1,1 +1,132 @@
-fn main() {}
+//! Added latency of the gateway: a new-job request and a replay, each against a direct call
+//! to the same local provider, measured in one run so the ratios compare like with like.
+//!
+//!     cargo bench --bench latency
+//!
+//! The provider is a local hyper server answering the OpenAI completion fixture at once, so
+//! the figures are the gateway's own cost (routing, fingerprint, claim, settle, copy) plus
+//! one extra loopback hop.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+const WARMUP: usize = 500;
+const SAMPLES: usize = 5000;
+
+const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
+const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
+
+async fn provider() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let _ = stream.set_nodelay(true);
+            let service = service_fn(|request: Request<Incoming>| async move {
+                let _ = request.into_body().collect().await;
+                let mut response = hyper::Response::new(Full::new(Bytes::from_static(ANSWER)));
+                response
+                    .headers_mut()
+                    .insert("content-type", "application/json".parse().unwrap());
+                Ok::<_, std::convert::Infallible>(response)
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+struct Stats {
+    p50: Duration,
+    p99: Duration,
+    mean: Duration,
+}
+
+fn stats(mut samples: Vec<Duration>) -> Stats {
+    samples.sort();
+    let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
+    Stats {
+        p50: samples[samples.len() / 2],
+        p99: samples[samples.len() * 99 / 100],
+        mean,
+    }
+}
+
+async fn measure(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    url: &str,
+    key: impl Fn(usize) -> Option<String>,
+) -> Stats {
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for i in 0..WARMUP + SAMPLES {
+        let mut request = Request::post(url)
+            .header("authorization", "Bearer sk-bench")
+            .header("content-type", "application/json");
+        if let Some(key) = key(i) {
+            request = request.header("idempotency-key", key);
+        }
+        let request = request.body(Full::new(Bytes::from_static(REQUEST))).unwrap();
+        let started = Instant::now();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let elapsed = started.elapsed();
+        assert_eq!(body.len(), ANSWER.len());
+        if i >= WARMUP {
+            samples.push(elapsed);
+        }
+    }
+    stats(samples)
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let upstream = provider().await;
+        let config = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nkind = \"memory\"\n\
+             [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
+             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
+        );
+        let config = idemgate::Config::parse(&config, "bench").unwrap();
+        let running = idemgate::start(config).await.unwrap();
+        let gateway = format!("http://{}/v1/chat/completions", running.addr);
+        let direct_url = format!("{upstream}/v1/chat/completions");
+        let client = Client::builder(TokioExecutor::new()).build_http();
+
+        let direct = measure(&client, &direct_url, |_| None).await;
+        let new_job = measure(&client, &gateway, |i| Some(format!("bench-new-{i}"))).await;
+        let _ = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
+        let replay = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
+
+        println!("latency over {SAMPLES} sequential requests (after {WARMUP} warm-up), memory store");
+        println!("{:<10} {:>10} {:>10} {:>10} {:>12}", "", "p50", "p99", "mean", "p50 ratio");
+        for (name, s) in [("direct", &direct), ("new job", &new_job), ("replay", &replay)] {
+            println!(
+                "{name:<10} {:>10.1?} {:>10.1?} {:>10.1?} {:>11.2}x",
+                s.p50,
+                s.p99,
+                s.mean,
+                s.p50.as_secs_f64() / direct.p50.as_secs_f64()
+            );
+        }
+        running.shutdown().await;
+    });
+}

@@ -650,7 +650,8 @@ async fn bad_inputs_get_their_problem_and_touch_nothing() {
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let auth = ("authorization", "Bearer sk-client-1");
     let too_long = "k".repeat(256);
-    let cases: Vec<(Vec<(&str, &str)>, Bytes, u16, &str)> = vec![
+    type Case<'a> = (Vec<(&'a str, &'a str)>, Bytes, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             vec![("idempotency-key", "k1")],
             chat_request(),

@@ -273,11 +273,14 @@ pub struct HeldProvider {
     count: Arc<AtomicUsize>,
 }
 
+/// Status, headers and body a held call is answered with.
+type HeldAnswer = (u16, Vec<(String, String)>, Bytes);
+
 /// One request held at a [`HeldProvider`].
 pub struct HeldCall {
     pub headers: HeaderMap,
     pub body: Bytes,
-    reply: oneshot::Sender<(u16, Vec<(String, String)>, Bytes)>,
+    reply: oneshot::Sender<HeldAnswer>,
 }
 
 impl HeldCall {
