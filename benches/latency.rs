@@ -78,7 +78,9 @@ async fn measure(
         if let Some(key) = key(i) {
             request = request.header("idempotency-key", key);
         }
-        let request = request.body(Full::new(Bytes::from_static(REQUEST))).unwrap();
+        let request = request
+            .body(Full::new(Bytes::from_static(REQUEST)))
+            .unwrap();
         let started = Instant::now();
         let response = client.request(request).await.unwrap();
         assert_eq!(response.status(), 200);
@@ -116,9 +118,18 @@ fn main() {
         let _ = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
         let replay = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
 
-        println!("latency over {SAMPLES} sequential requests (after {WARMUP} warm-up), memory store");
-        println!("{:<10} {:>10} {:>10} {:>10} {:>12}", "", "p50", "p99", "mean", "p50 ratio");
-        for (name, s) in [("direct", &direct), ("new job", &new_job), ("replay", &replay)] {
+        println!(
+            "latency over {SAMPLES} sequential requests (after {WARMUP} warm-up), memory store"
+        );
+        println!(
+            "{:<10} {:>10} {:>10} {:>10} {:>12}",
+            "", "p50", "p99", "mean", "p50 ratio"
+        );
+        for (name, s) in [
+            ("direct", &direct),
+            ("new job", &new_job),
+            ("replay", &replay),
+        ] {
             println!(
                 "{name:<10} {:>10.1?} {:>10.1?} {:>10.1?} {:>11.2}x",
                 s.p50,
