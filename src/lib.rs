@@ -76,12 +76,6 @@ impl Running {
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
     }
-
-    /// Stops at once, like a process that was killed: no grace, no bookkeeping. For tests
-    /// of what survives a crash.
-    pub fn kill(self) {
-        self.task.abort();
-    }
 }
 
 /// Opens the store, binds the listeners and starts serving.

@@ -512,6 +512,78 @@ async fn no_provider_answering_is_all_providers_failed() {
     assert_eq!(gw.job(&id).await["job"]["state"], "failed");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_gateway_died_is_unknown_once_its_lease_lapses() {
+    let primary = provider_answering(completion()).await;
+    let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
+    // Another gateway claimed the key, started an attempt, and died: its lease runs out.
+    let mut headers = http::HeaderMap::new();
+    headers.insert("authorization", "Bearer sk-client-1".parse().unwrap());
+    let owner = idemgate::intent::owner(&idemgate::intent::OwnerMode::Bearer, &headers).unwrap();
+    let fingerprint = idemgate::intent::fingerprint("POST", CHAT, &chat_request(), &[]);
+    let now = std::time::SystemTime::now();
+    let policy = idemgate::job::ExpiryPolicy {
+        retention: Duration::from_secs(60),
+        late_result_window: Duration::from_secs(60),
+    };
+    let orphan = idemgate::job::JobRecord::new(
+        "job_orphan".into(),
+        owner,
+        "k-orphan".into(),
+        fingerprint,
+        "chat".into(),
+        now,
+        now + Duration::from_millis(200),
+        &policy,
+    );
+    let store = gw.running.gateway.store().clone();
+    store.claim(orphan, now).await.unwrap();
+    store
+        .apply(
+            "job_orphan",
+            idemgate::job::Transition::StartAttempt {
+                version: 1,
+                provider: "primary".into(),
+            },
+            now,
+        )
+        .await
+        .unwrap();
+
+    // Within the lease the newcomer waits; once it lapses, the job is unknown.
+    let reply = gw.post(CHAT, Some("k-orphan"), chat_request()).await;
+    reply.assert_problem(409, "outcome-unknown");
+    assert_eq!(reply.job_id(), "job_orphan");
+    let view = gw.job("job_orphan").await;
+    assert_eq!(view["job"]["state"], "unknown");
+    assert_eq!(view["attempts"][0]["state"], "unknown");
+    assert_eq!(received(&primary).await, 0, "never a second upstream call");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_served() {
+    let primary = provider_answering(completion()).await;
+    let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
+    let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let reply = send(
+        &h2,
+        Method::POST,
+        &format!("{}{CHAT}", gw.base),
+        &[
+            ("authorization", "Bearer sk-client-1"),
+            ("idempotency-key", "k-h2"),
+        ],
+        chat_request(),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.body, fixture("openai-chat-completion.json"));
+    assert_eq!(received(&primary).await, 1);
+}
+
 // ---- 6. out-of-band cancel ----------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
