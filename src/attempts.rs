@@ -26,6 +26,9 @@ use crate::upstream::{CallError, ClientRequest};
 pub(crate) struct RoundJob {
     pub id: JobId,
     pub version: u64,
+    /// The round's first attempt when it was registered with the claim itself, which saves
+    /// a store round trip on every new job.
+    pub first_attempt: Option<u32>,
 }
 
 /// How a round ended, from the point of view of the request that ran it.
@@ -128,7 +131,8 @@ pub(crate) async fn run_round(
         last_failure: None,
         no_more_attempts: false,
     };
-    if let Err(end) = round.start_next().await {
+    let registered = round.job.as_ref().and_then(|j| j.first_attempt);
+    if let Err(end) = round.start_next(registered).await {
         return end;
     }
     let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
@@ -155,7 +159,7 @@ pub(crate) async fn run_round(
             }
             _ = sleep_until(hedge_at.unwrap_or_else(far_future)), if hedge_at.is_some() => {
                 debug!(route = %round.route.name, "hedging: attempt in flight is silent");
-                if let Err(end) = round.start_next().await {
+                if let Err(end) = round.start_next(None).await {
                     return end;
                 }
             }
@@ -184,17 +188,19 @@ impl Round {
         self.gw.apply(&job.id, transition).await
     }
 
-    /// Starts the attempt at the next provider of the route.
-    async fn start_next(&mut self) -> Result<(), RoundEnd> {
+    /// Starts the attempt at the next provider of the route; `registered` is its ordinal
+    /// when the store already holds it.
+    async fn start_next(&mut self, registered: Option<u32>) -> Result<(), RoundEnd> {
         let index = self.route.providers[self.cursor];
         self.cursor += 1;
         let provider = self.gw.config.provider(index).clone();
-        let n = match &self.job {
-            None => {
+        let n = match (registered, &self.job) {
+            (Some(n), _) => n,
+            (None, None) => {
                 self.local_n += 1;
                 self.local_n
             }
-            Some(job) => {
+            (None, Some(job)) => {
                 let applied = self
                     .apply(Transition::StartAttempt {
                         version: job.version,
@@ -334,7 +340,7 @@ impl Round {
             return Err(self.end_unknown().await);
         }
         if !self.no_more_attempts && self.cursor < self.route.providers.len() {
-            return self.start_next().await;
+            return self.start_next(None).await;
         }
         Err(self.end_failed().await)
     }

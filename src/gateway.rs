@@ -140,7 +140,8 @@ impl Gateway {
             &idem.fingerprint_ignore,
         );
         let now = SystemTime::now();
-        let record = JobRecord::new(
+        let policy = Self::expiry_policy(&self.config);
+        let mut record = JobRecord::new(
             new_job_id(),
             owner,
             key,
@@ -148,14 +149,29 @@ impl Gateway {
             route.name.clone(),
             now,
             now + idem.lease,
-            &Self::expiry_policy(&self.config),
+            &policy,
         );
+        // The first attempt is registered with the claim: one store write for both.
+        let primary = self.config.provider(route.providers[0]).name.clone();
+        let first = record.apply(
+            Transition::StartAttempt {
+                version: record.job.version,
+                provider: primary,
+            },
+            now,
+            &policy,
+        );
+        let first_attempt = match first {
+            Ok(crate::job::Effect::AttemptStarted { n, .. }) => Some(n),
+            _ => None,
+        };
         match self.store.claim(record, now).await.map_err(unavailable)? {
             Claim::Created(record) => {
                 debug!(job_id = %record.job.id, route = %route.name, "new job");
                 let job = RoundJob {
                     id: record.job.id,
                     version: record.job.version,
+                    first_attempt,
                 };
                 Ok(self.run_job(route, job, request).await)
             }
@@ -317,6 +333,7 @@ impl Gateway {
                         let job = RoundJob {
                             id,
                             version: applied.record.job.version,
+                            first_attempt: None,
                         };
                         return Ok(self.run_job(route, job, request).await);
                     }

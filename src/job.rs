@@ -13,7 +13,7 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A job's id, as returned in `X-Idempotency-Job-Id`.
 pub type JobId = String;
@@ -24,7 +24,7 @@ pub fn new_job_id() -> JobId {
 }
 
 /// Where a job is in its life (SPEC §2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     InProgress,
@@ -58,7 +58,7 @@ impl fmt::Display for JobState {
 }
 
 /// Where one attempt is in its life (SPEC §2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AttemptState {
     Started,
@@ -78,7 +78,7 @@ impl AttemptState {
 }
 
 /// The answer a job settled with, replayed byte for byte. Hop-by-hop headers are never kept.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredResponse {
     pub status: u16,
     /// Header names (lower case) and raw values, in the order the provider sent them.
@@ -87,7 +87,7 @@ pub struct StoredResponse {
 }
 
 /// The durable record of one intent.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Job {
     pub id: JobId,
     /// SHA-256 of the owner's credential or identity, never the raw value.
@@ -108,7 +108,7 @@ pub struct Job {
 }
 
 /// One try at fulfilling a job against one provider.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Attempt {
     pub n: u32,
     pub provider: String,
@@ -122,7 +122,7 @@ pub struct Attempt {
 }
 
 /// A job with its attempts: the unit every store reads and writes atomically.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JobRecord {
     pub job: Job,
     pub attempts: Vec<Attempt>,

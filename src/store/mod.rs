@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use crate::config::{StoreConfig, StoreKind};
 use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Transition};
 
+pub mod embedded;
 pub mod memory;
 
 /// The store could not answer. Never a reason to call a provider without a claim.
@@ -80,7 +81,11 @@ pub async fn open(
 ) -> Result<Arc<dyn JobStore>, StoreError> {
     match config.kind {
         StoreKind::Memory => Ok(Arc::new(memory::MemoryStore::new(policy))),
-        StoreKind::Embedded | StoreKind::Redis => Err(StoreError::Unavailable(format!(
+        StoreKind::Embedded => Ok(Arc::new(embedded::EmbeddedStore::open(
+            &config.path,
+            policy,
+        )?)),
+        StoreKind::Redis => Err(StoreError::Unavailable(format!(
             "store.kind {:?} is not available in this build; use \"memory\"",
             config.kind
         ))),

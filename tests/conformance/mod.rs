@@ -513,7 +513,8 @@ pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
     store.ping().await.unwrap();
 }
 
-/// One `#[tokio::test]` per case for the store `make` builds.
+/// One `#[tokio::test]` per case for the store `make` builds. `make` returns the store and
+/// a guard that keeps whatever backs it (a directory, a server) alive for the test.
 #[macro_export]
 macro_rules! conformance_suite {
     ($store:ident, $make:expr) => {
@@ -543,7 +544,7 @@ macro_rules! conformance_suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
-                let store = ($make)().await;
+                let (store, _guard) = ($make)().await;
                 super::conformance::$case(store).await;
             }
         )*

@@ -1,0 +1,568 @@
+//! The embedded store, idemgate's default: one node, on disk, nothing to install.
+//!
+//! Built on [redb]: pure Rust, ACID write transactions with copy-on-write B-trees, crash
+//! safety without a write-ahead log to replay by hand, and a file lock that keeps a second
+//! process off the same file. (sled is unmaintained; SQLite would bring C and a SQL layer we
+//! do not need; RocksDB brings C++ and minutes of build.)
+//!
+//! # Durability and group commit
+//!
+//! A claim and a settled job are on disk before the response that depends on them is sent:
+//! every write transaction is committed with `Durability::Immediate` (an fsync). An fsync per
+//! request would cap throughput at the disk's sync rate, so one writer thread commits in
+//! groups: it takes every operation waiting in its queue (up to [`MAX_GROUP`]), applies them
+//! in order in one transaction — each still atomic, since each sees the writes of the ones
+//! before it — commits once, and only then answers them all. Under load many claims and
+//! settles share one fsync; alone, a request pays exactly one. There is no setting that
+//! trades durability away: a gateway that forgets a claim after a crash could run an intent
+//! twice, which is the one thing it exists to prevent.
+//!
+//! # Layout
+//!
+//! - `claims`: owner NUL key → job id (the identity index; owners are hex or `anonymous`
+//!   and keys visible ASCII, so NUL cannot appear in either).
+//! - `jobs`: job id → the job and its attempts (postcard), without the stored answer.
+//! - `responses`: job id → the stored answer, written once, when an attempt wins.
+//! - `expiry`: (expires_at in ms, job id) → (), so the retention sweep finds expired jobs
+//!   without scanning, and does bounded work per tick.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use redb::{Database, ReadableTable, Table, TableDefinition, WriteTransaction};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::{debug, error, info};
+
+use super::{Applied, Claim, JobStore, StoreError};
+use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition};
+
+const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses");
+const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
+
+/// Most operations committed by one transaction.
+const MAX_GROUP: usize = 512;
+/// Most expired jobs one sweep deletes, so a sweep never holds the writer for long.
+const SWEEP_LIMIT: usize = 1000;
+/// Waiters are woken through one of these many shards, keyed by job id.
+const NOTIFY_SHARDS: usize = 64;
+
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    db: Arc<Database>,
+    path: PathBuf,
+    writer: mpsc::UnboundedSender<Op>,
+    /// Joined on drop, so the file is closed (and its lock released) when the store is.
+    thread: Option<std::thread::JoinHandle<()>>,
+    changed: Arc<[Notify]>,
+}
+
+impl Drop for EmbeddedStore {
+    fn drop(&mut self) {
+        // Closing the queue ends the writer once it has committed what it holds.
+        let (closed, _) = mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.writer, closed));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One write, queued for the writer thread.
+enum Op {
+    Claim {
+        record: Box<JobRecord>,
+        now: SystemTime,
+        reply: oneshot::Sender<Result<Claim, StoreError>>,
+    },
+    Apply {
+        id: JobId,
+        transition: Transition,
+        now: SystemTime,
+        reply: oneshot::Sender<Result<Applied, StoreError>>,
+    },
+    Sweep {
+        now: SystemTime,
+        reply: oneshot::Sender<Result<usize, StoreError>>,
+    },
+}
+
+impl EmbeddedStore {
+    /// Opens (or creates) the store at `path`. A file that is not a redb database, or that
+    /// cannot be written, is refused with its path; nothing is overwritten.
+    pub fn open(path: &Path, policy: ExpiryPolicy) -> Result<Self, StoreError> {
+        let shown = path.display().to_string();
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("embedded store {shown}: {what}: {e}"))
+        };
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| fail("cannot create its directory", &e))?;
+        }
+        let db = Database::create(path).map_err(|e| fail("cannot open it as a database", &e))?;
+        let txn = db
+            .begin_write()
+            .map_err(|e| fail("cannot write to it", &e))?;
+        {
+            txn.open_table(CLAIMS)
+                .map_err(|e| fail("cannot open table claims", &e))?;
+            txn.open_table(JOBS)
+                .map_err(|e| fail("cannot open table jobs", &e))?;
+            txn.open_table(RESPONSES)
+                .map_err(|e| fail("cannot open table responses", &e))?;
+            txn.open_table(EXPIRY)
+                .map_err(|e| fail("cannot open table expiry", &e))?;
+        }
+        txn.commit().map_err(|e| fail("cannot write to it", &e))?;
+
+        let db = Arc::new(db);
+        let changed: Arc<[Notify]> = (0..NOTIFY_SHARDS).map(|_| Notify::new()).collect();
+        let (writer, queue) = mpsc::unbounded_channel();
+        let writer_db = db.clone();
+        let writer_changed = changed.clone();
+        let writer_path = shown.clone();
+        let thread = std::thread::Builder::new()
+            .name("idemgate-store".into())
+            .spawn(move || write_loop(&writer_db, queue, &writer_changed, policy, &writer_path))
+            .map_err(|e| fail("cannot start its writer", &e))?;
+        let store = Self {
+            db,
+            path: path.to_owned(),
+            writer,
+            thread: Some(thread),
+            changed,
+        };
+        store.spawn_sweeper(policy);
+        info!(path = %shown, "embedded store open");
+        Ok(store)
+    }
+
+    fn spawn_sweeper(&self, policy: ExpiryPolicy) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let writer = self.writer.downgrade();
+        let every =
+            (policy.retention / 10).clamp(Duration::from_millis(100), Duration::from_secs(30));
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(writer) = writer.upgrade() else {
+                    return;
+                };
+                let (reply, answer) = oneshot::channel();
+                if writer
+                    .send(Op::Sweep {
+                        now: SystemTime::now(),
+                        reply,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+                drop(writer);
+                match answer.await {
+                    Ok(Ok(0)) => {}
+                    Ok(Ok(n)) => debug!(expired = n, "retention sweep"),
+                    Ok(Err(e)) => error!(error = %e, "retention sweep failed"),
+                    Err(_) => return,
+                }
+            }
+        });
+    }
+
+    fn unavailable(&self, e: impl std::fmt::Display) -> StoreError {
+        StoreError::Unavailable(format!("embedded store {}: {e}", self.path.display()))
+    }
+
+    async fn submit<T>(
+        &self,
+        op: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
+    ) -> Result<T, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.writer
+            .send(op(reply))
+            .map_err(|_| self.unavailable("the writer has stopped"))?;
+        answer
+            .await
+            .map_err(|_| self.unavailable("the writer has stopped"))?
+    }
+
+    fn shard(&self, id: &str) -> &Notify {
+        &self.changed[shard_of(id)]
+    }
+
+    fn read(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
+        let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
+        let Some(bytes) = jobs.get(id).map_err(|e| self.unavailable(e))? else {
+            return Ok(None);
+        };
+        let mut record: JobRecord = decode(bytes.value()).map_err(|e| self.unavailable(e))?;
+        if record.job.state == JobState::Succeeded {
+            if let Some(bytes) = responses.get(id).map_err(|e| self.unavailable(e))? {
+                record.job.response = Some(decode(bytes.value()).map_err(|e| self.unavailable(e))?);
+            }
+        }
+        Ok(Some(record))
+    }
+}
+
+fn shard_of(id: &str) -> usize {
+    // FNV-1a: cheap and good enough to spread job ids over the shards.
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (hash % NOTIFY_SHARDS as u64) as usize
+}
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    postcard::to_stdvec(value).expect("records always serialise")
+}
+
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn claim_key(record: &JobRecord) -> Vec<u8> {
+    let mut key = Vec::with_capacity(record.job.owner.len() + 1 + record.job.key.len());
+    key.extend_from_slice(record.job.owner.as_bytes());
+    key.push(0);
+    key.extend_from_slice(record.job.key.as_bytes());
+    key
+}
+
+/// The writer thread: drains the queue into one transaction per group, commits once, then
+/// answers every operation of the group and wakes the waiters of the jobs it changed.
+fn write_loop(
+    db: &Database,
+    mut queue: mpsc::UnboundedReceiver<Op>,
+    changed: &[Notify],
+    policy: ExpiryPolicy,
+    path: &str,
+) {
+    while let Some(first) = queue.blocking_recv() {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match queue.try_recv() {
+                Ok(op) => group.push(op),
+                Err(_) => break,
+            }
+        }
+        let unavailable = |e: &dyn std::fmt::Display| {
+            StoreError::Unavailable(format!("embedded store {path}: {e}"))
+        };
+        let result = db
+            .begin_write()
+            .map_err(|e| unavailable(&e))
+            .and_then(|txn| {
+                let mut done = Vec::with_capacity(group.len());
+                let mut touched = Vec::new();
+                {
+                    let mut tables = Tables::open(&txn).map_err(|e| unavailable(&e))?;
+                    for op in group.drain(..) {
+                        let outcome = tables.run(op, &policy, &mut touched);
+                        done.push(outcome);
+                    }
+                }
+                txn.commit().map_err(|e| unavailable(&e))?;
+                Ok((done, touched))
+            });
+        match result {
+            Ok((done, touched)) => {
+                for reply in done {
+                    reply.send();
+                }
+                for id in touched {
+                    changed[shard_of(&id)].notify_waiters();
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "embedded store commit failed");
+                // The group never happened: every operation in it fails as a whole.
+                for op in group {
+                    op.fail(e.clone());
+                }
+            }
+        }
+    }
+}
+
+/// An operation's result, held until the transaction that produced it is durable.
+enum Done {
+    Claim(
+        oneshot::Sender<Result<Claim, StoreError>>,
+        Result<Claim, StoreError>,
+    ),
+    Apply(
+        oneshot::Sender<Result<Applied, StoreError>>,
+        Result<Applied, StoreError>,
+    ),
+    Sweep(
+        oneshot::Sender<Result<usize, StoreError>>,
+        Result<usize, StoreError>,
+    ),
+}
+
+impl Done {
+    fn send(self) {
+        match self {
+            Self::Claim(reply, r) => drop(reply.send(r)),
+            Self::Apply(reply, r) => drop(reply.send(r)),
+            Self::Sweep(reply, r) => drop(reply.send(r)),
+        }
+    }
+}
+
+impl Op {
+    fn fail(self, e: StoreError) {
+        match self {
+            Self::Claim { reply, .. } => drop(reply.send(Err(e))),
+            Self::Apply { reply, .. } => drop(reply.send(Err(e))),
+            Self::Sweep { reply, .. } => drop(reply.send(Err(e))),
+        }
+    }
+}
+
+struct Tables<'t> {
+    claims: Table<'t, &'static [u8], &'static str>,
+    jobs: Table<'t, &'static str, &'static [u8]>,
+    responses: Table<'t, &'static str, &'static [u8]>,
+    expiry: Table<'t, (u64, &'static str), ()>,
+}
+
+type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+impl<'t> Tables<'t> {
+    fn open(txn: &'t WriteTransaction) -> Result<Self, redb::TableError> {
+        Ok(Self {
+            claims: txn.open_table(CLAIMS)?,
+            jobs: txn.open_table(JOBS)?,
+            responses: txn.open_table(RESPONSES)?,
+            expiry: txn.open_table(EXPIRY)?,
+        })
+    }
+
+    fn run(&mut self, op: Op, policy: &ExpiryPolicy, touched: &mut Vec<JobId>) -> Done {
+        let wrap = |e: Box<dyn std::error::Error + Send + Sync>| {
+            StoreError::Unavailable(format!("embedded store: {e}"))
+        };
+        match op {
+            Op::Claim { record, now, reply } => {
+                Done::Claim(reply, self.claim(*record, now).map_err(wrap))
+            }
+            Op::Apply {
+                id,
+                transition,
+                now,
+                reply,
+            } => {
+                let result = self
+                    .apply(&id, transition, now, policy)
+                    .map_err(wrap)
+                    .and_then(|applied| applied.ok_or_else(|| StoreError::NotFound(id.clone())));
+                if matches!(&result, Ok(a) if a.outcome.is_ok()) {
+                    touched.push(id);
+                }
+                Done::Apply(reply, result)
+            }
+            Op::Sweep { now, reply } => Done::Sweep(reply, self.sweep(now, touched).map_err(wrap)),
+        }
+    }
+
+    fn load(&self, id: &str) -> TxResult<Option<JobRecord>> {
+        match self.jobs.get(id)? {
+            None => Ok(None),
+            Some(bytes) => Ok(Some(decode(bytes.value())?)),
+        }
+    }
+
+    fn with_response(&self, mut record: JobRecord) -> TxResult<JobRecord> {
+        if record.job.state == JobState::Succeeded && record.job.response.is_none() {
+            if let Some(bytes) = self.responses.get(record.job.id.as_str())? {
+                record.job.response = Some(decode::<StoredResponse>(bytes.value())?);
+            }
+        }
+        Ok(record)
+    }
+
+    /// Writes a record and keeps the expiry index in step with it. The answer goes to its own
+    /// table, once.
+    fn save(
+        &mut self,
+        mut record: JobRecord,
+        previous_expiry: Option<SystemTime>,
+    ) -> TxResult<JobRecord> {
+        let id = record.job.id.clone();
+        let response = record.job.response.take();
+        if let Some(response) = &response {
+            self.responses
+                .insert(id.as_str(), encode(response).as_slice())?;
+        }
+        self.jobs.insert(id.as_str(), encode(&record).as_slice())?;
+        if let Some(previous) = previous_expiry {
+            self.expiry.remove((millis(previous), id.as_str()))?;
+        }
+        self.expiry
+            .insert((millis(record.job.expires_at), id.as_str()), ())?;
+        record.job.response = response;
+        Ok(record)
+    }
+
+    fn delete(&mut self, record: &JobRecord) -> TxResult<()> {
+        let id = record.job.id.as_str();
+        self.jobs.remove(id)?;
+        self.responses.remove(id)?;
+        self.expiry.remove((millis(record.job.expires_at), id))?;
+        let key = claim_key(record);
+        let owned = self
+            .claims
+            .get(key.as_slice())?
+            .is_some_and(|v| v.value() == id);
+        if owned {
+            self.claims.remove(key.as_slice())?;
+        }
+        Ok(())
+    }
+
+    fn claim(&mut self, record: JobRecord, now: SystemTime) -> TxResult<Claim> {
+        let key = claim_key(&record);
+        let existing = self
+            .claims
+            .get(key.as_slice())?
+            .map(|id| id.value().to_owned());
+        if let Some(id) = existing {
+            match self.load(&id)? {
+                Some(found) if !found.is_expired(now) => {
+                    return Ok(Claim::Existing(self.with_response(found)?));
+                }
+                Some(expired) => self.delete(&expired)?,
+                None => {}
+            }
+        }
+        self.claims.insert(key.as_slice(), record.job.id.as_str())?;
+        Ok(Claim::Created(self.save(record, None)?))
+    }
+
+    fn apply(
+        &mut self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+        policy: &ExpiryPolicy,
+    ) -> TxResult<Option<Applied>> {
+        let Some(mut record) = self.load(id)? else {
+            return Ok(None);
+        };
+        let previous_expiry = record.job.expires_at;
+        let outcome = record.apply(transition, now, policy);
+        if outcome.is_ok() {
+            record = self.save(record, Some(previous_expiry))?;
+        }
+        let record = self.with_response(record)?;
+        Ok(Some(Applied { outcome, record }))
+    }
+
+    fn sweep(&mut self, now: SystemTime, touched: &mut Vec<JobId>) -> TxResult<usize> {
+        let due: Vec<(u64, String)> = self
+            .expiry
+            .range((0, "")..(millis(now), ""))?
+            .take(SWEEP_LIMIT)
+            .map(|entry| entry.map(|(k, _)| (k.value().0, k.value().1.to_owned())))
+            .collect::<Result<_, _>>()?;
+        for (at, id) in &due {
+            match self.load(id)? {
+                Some(record) if record.is_expired(now) => self.delete(&record)?,
+                Some(_) => {}
+                // An index entry without its job: drop it.
+                None => drop(self.expiry.remove((*at, id.as_str()))?),
+            }
+            touched.push(id.clone());
+        }
+        Ok(due.len())
+    }
+}
+
+#[async_trait]
+impl JobStore for EmbeddedStore {
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        self.submit(|reply| Op::Claim {
+            record: Box::new(record),
+            now,
+            reply,
+        })
+        .await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.read(id)
+    }
+
+    async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+    ) -> Result<Applied, StoreError> {
+        self.submit(|reply| Op::Apply {
+            id: id.to_owned(),
+            transition,
+            now,
+            reply,
+        })
+        .await
+    }
+
+    async fn wait_change(
+        &self,
+        id: &str,
+        seen_version: u64,
+        seen_state: JobState,
+        timeout: Duration,
+    ) -> Result<JobRecord, StoreError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shard(id).notified();
+            tokio::pin!(notified);
+            // Registered before the read, so a commit between the two still wakes us.
+            notified.as_mut().enable();
+            let record = self
+                .read(id)?
+                .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+            if record.job.version != seen_version || record.job.state != seen_state {
+                return Ok(record);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(record);
+            }
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.db
+            .begin_read()
+            .map(drop)
+            .map_err(|e| self.unavailable(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_spread_ids() {
+        let used: std::collections::HashSet<usize> =
+            (0..1000).map(|i| shard_of(&format!("job_{i}"))).collect();
+        assert!(used.len() > NOTIFY_SHARDS / 2);
+    }
+}

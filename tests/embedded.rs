@@ -1,0 +1,289 @@
+//! The embedded store across restarts and crashes, with the real binary where a process
+//! must die.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use common::*;
+use http::Method;
+use idemgate::job::{ExpiryPolicy, Transition};
+use idemgate::store::embedded::EmbeddedStore;
+use idemgate::store::JobStore;
+use wiremock::matchers::method;
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+const CHAT: &str = "/v1/chat/completions";
+
+const POLICY: ExpiryPolicy = ExpiryPolicy {
+    retention: Duration::from_secs(3600),
+    late_result_window: Duration::from_secs(600),
+};
+
+fn route(provider: &str) -> String {
+    format!(
+        "[[providers]]\nname = \"primary\"\nbase_url = \"{provider}\"\n\
+         [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"primary\"]\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_job_replays_after_a_restart() {
+    let provider = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
+        )
+        .mount(&provider)
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data/jobs.db");
+
+    let store = Arc::new(EmbeddedStore::open(&path, POLICY).unwrap());
+    let gw = TestGateway::start_on(&route(&provider.uri()), store).await;
+    let first = gw.post(CHAT, Some("k-restart"), chat_request()).await;
+    assert_eq!(first.status, 200);
+    bounded("shutdown", gw.running.shutdown()).await;
+
+    let store =
+        Arc::new(EmbeddedStore::open(&path, POLICY).expect("the file reopens after a clean stop"));
+    let gw = TestGateway::start_on(&route(&provider.uri()), store).await;
+    let replay = gw.post(CHAT, Some("k-restart"), chat_request()).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.job_id(), first.job_id());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(comparable_headers(&replay), comparable_headers(&first));
+    assert_eq!(
+        received(&provider).await,
+        1,
+        "no upstream call after the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_file_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.db");
+    let garbage = b"this is not a database, and it must survive being opened".repeat(100);
+    std::fs::write(&path, &garbage).unwrap();
+    let error = EmbeddedStore::open(&path, POLICY).unwrap_err().to_string();
+    assert!(error.contains(&path.display().to_string()), "{error}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        garbage,
+        "nothing is overwritten"
+    );
+
+    // A path that cannot be a file (a directory stands in the way) is refused too.
+    let error = EmbeddedStore::open(dir.path(), POLICY)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains(&dir.path().display().to_string()), "{error}");
+    // So is one under a regular file, where no directory can be made.
+    let under_file = path.join("jobs.db");
+    let error = EmbeddedStore::open(&under_file, POLICY)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("cannot create its directory"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_refuses_a_corrupt_file_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("jobs.db");
+    std::fs::write(&db, b"garbage garbage garbage").unwrap();
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\npath = \"{}\"\n{}",
+            db.display(),
+            route("http://127.0.0.1:9")
+        ),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&db.display().to_string()), "{stderr}");
+    assert_eq!(std::fs::read(&db).unwrap(), b"garbage garbage garbage");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_jobs_are_swept_in_the_background() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = ExpiryPolicy {
+        retention: Duration::from_millis(200),
+        late_result_window: Duration::from_millis(100),
+    };
+    let store = EmbeddedStore::open(&dir.path().join("jobs.db"), policy).unwrap();
+    let now = SystemTime::now();
+    let record = idemgate::job::JobRecord::new(
+        "job_sweep".into(),
+        "o".into(),
+        "k".into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now,
+        &policy,
+    );
+    store.claim(record, now).await.unwrap();
+    store
+        .apply("job_sweep", Transition::Cancel, now)
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while store.get("job_sweep").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweep never removed the job"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---- kill -9 ------------------------------------------------------------------------------
+
+struct Process {
+    child: Child,
+    base: String,
+    admin: String,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn free_port() -> u16 {
+    closed_port().await.port()
+}
+
+async fn spawn_gateway(config: &std::path::Path, port: u16, admin_port: u16) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(config)
+        .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
+        .env("IDEMGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let process = Process {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+        admin: format!("http://127.0.0.1:{admin_port}"),
+    };
+    // A child process has no signal to await but its port: poll it, bounded.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if tokio::net::TcpStream::connect(("127.0.0.1", admin_port))
+            .await
+            .is_ok()
+        {
+            return process;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the gateway never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run() {
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port().await, free_port().await);
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
+             [store]\npath = \"{}\"\n[idempotency]\nlease = \"300ms\"\nwait_for_in_flight = \"5s\"\n{}",
+            dir.path().join("jobs.db").display(),
+            route(&provider.url())
+        ),
+    )
+    .unwrap();
+    let client = client();
+    let headers = [
+        ("authorization", "Bearer sk-client-1"),
+        ("idempotency-key", "k-crash"),
+    ];
+
+    let mut gateway = spawn_gateway(&config, port, admin_port).await;
+    let in_flight = {
+        let client = client.clone();
+        let url = format!("{}{CHAT}", gateway.base);
+        tokio::spawn(async move {
+            let request = http::Request::post(url)
+                .header("authorization", "Bearer sk-client-1")
+                .header("idempotency-key", "k-crash")
+                .body(http_body_util::Full::new(chat_request()))
+                .unwrap();
+            let _ = client.request(request).await;
+        })
+    };
+    let held = provider.next_call().await;
+    gateway.child.kill().unwrap(); // SIGKILL: no grace, no bookkeeping
+    gateway.child.wait().unwrap();
+    let _ = bounded("the cut request", in_flight).await;
+    drop(gateway);
+
+    let gateway = spawn_gateway(&config, port, admin_port).await;
+    let retry = send(
+        &client,
+        Method::POST,
+        &format!("{}{CHAT}", gateway.base),
+        &headers,
+        chat_request(),
+    )
+    .await;
+    retry.assert_problem(409, "outcome-unknown");
+    let id = retry.job_id();
+    assert_eq!(provider.calls(), 1, "never a second upstream call");
+    drop(held);
+
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let cancel = send(
+        &client,
+        Method::POST,
+        &format!("{}/jobs/{id}/cancel", gateway.admin),
+        &[("authorization", &auth)],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(cancel.status, 200, "{cancel:?}");
+    let retry = {
+        let client = client.clone();
+        let url = format!("{}{CHAT}", gateway.base);
+        tokio::spawn(
+            async move { send(&client, Method::POST, &url, &headers, chat_request()).await },
+        )
+    };
+    provider
+        .next_call()
+        .await
+        .answer(200, fixture("openai-chat-completion.json"));
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, 200);
+    assert_eq!(retry.job_id(), id);
+    assert_eq!(retry.header("x-idempotency-attempt"), Some("2"));
+    assert_eq!(provider.calls(), 2);
+}
