@@ -58,6 +58,14 @@ pub struct EmbeddedStore {
     /// Joined on drop, so the file is closed (and its lock released) when the store is.
     thread: Option<std::thread::JoinHandle<()>>,
     changed: Arc<[Notify]>,
+    stats: Arc<CommitStats>,
+}
+
+/// How well group commit is doing: operations per durable commit.
+#[derive(Debug, Default)]
+pub struct CommitStats {
+    pub commits: std::sync::atomic::AtomicU64,
+    pub operations: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for EmbeddedStore {
@@ -123,9 +131,20 @@ impl EmbeddedStore {
         let writer_db = db.clone();
         let writer_changed = changed.clone();
         let writer_path = shown.clone();
+        let stats = Arc::new(CommitStats::default());
+        let writer_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("idemgate-store".into())
-            .spawn(move || write_loop(&writer_db, queue, &writer_changed, policy, &writer_path))
+            .spawn(move || {
+                write_loop(
+                    &writer_db,
+                    queue,
+                    &writer_changed,
+                    policy,
+                    &writer_path,
+                    &writer_stats,
+                )
+            })
             .map_err(|e| fail("cannot start its writer", &e))?;
         let store = Self {
             db,
@@ -133,10 +152,16 @@ impl EmbeddedStore {
             writer,
             thread: Some(thread),
             changed,
+            stats,
         };
         store.spawn_sweeper(policy);
         info!(path = %shown, "embedded store open");
         Ok(store)
+    }
+
+    /// Commits and operations so far.
+    pub fn commit_stats(&self) -> &CommitStats {
+        &self.stats
     }
 
     fn spawn_sweeper(&self, policy: ExpiryPolicy) {
@@ -249,7 +274,9 @@ fn write_loop(
     changed: &[Notify],
     policy: ExpiryPolicy,
     path: &str,
+    stats: &CommitStats,
 ) {
+    use std::sync::atomic::Ordering::Relaxed;
     while let Some(first) = queue.blocking_recv() {
         let mut group = vec![first];
         while group.len() < MAX_GROUP {
@@ -279,6 +306,8 @@ fn write_loop(
             });
         match result {
             Ok((done, touched)) => {
+                stats.commits.fetch_add(1, Relaxed);
+                stats.operations.fetch_add(done.len() as u64, Relaxed);
                 for reply in done {
                     reply.send();
                 }

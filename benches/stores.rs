@@ -1,0 +1,180 @@
+//! New-job throughput and latency through the whole gateway, per store, at concurrency 1 and
+//! 32, in one run so the ratios compare like with like.
+//!
+//!     cargo bench --bench stores
+//!
+//! Every request is a new job (a fresh key) answered at once by a local provider, so the
+//! store's claim and settle are the part that differs between rows.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate::job::ExpiryPolicy;
+use idemgate::store::JobStore;
+use tokio::net::TcpListener;
+
+const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
+const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
+const REQUESTS: usize = 4000;
+
+async fn provider() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let _ = stream.set_nodelay(true);
+            let service = service_fn(|request: Request<Incoming>| async move {
+                let _ = request.into_body().collect().await;
+                Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                    Bytes::from_static(ANSWER),
+                )))
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+struct Row {
+    throughput: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+async fn run(url: &str, concurrency: usize, tag: &str) -> Row {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(concurrency)
+        .build_http();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let client = client.clone();
+        let next = next.clone();
+        let url = url.to_owned();
+        let tag = tag.to_owned();
+        workers.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= REQUESTS {
+                    return samples;
+                }
+                let request = Request::post(&url)
+                    .header("authorization", "Bearer sk-bench")
+                    .header("idempotency-key", format!("{tag}-{i}"))
+                    .body(Full::new(Bytes::from_static(REQUEST)))
+                    .unwrap();
+                let t = Instant::now();
+                let response = client.request(request).await.unwrap();
+                assert_eq!(response.status(), 200);
+                let _ = response.into_body().collect().await.unwrap();
+                samples.push(t.elapsed());
+            }
+        }));
+    }
+    let mut samples = Vec::new();
+    for w in workers {
+        samples.extend(w.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    samples.sort();
+    Row {
+        throughput: REQUESTS as f64 / elapsed.as_secs_f64(),
+        p50: samples[samples.len() / 2],
+        p99: samples[samples.len() * 99 / 100],
+    }
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let upstream = provider().await;
+        let config = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n\
+             [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
+             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
+        );
+        let config = Arc::new(idemgate::Config::parse(&config, "bench").unwrap());
+        let policy = ExpiryPolicy {
+            retention: Duration::from_secs(3600),
+            late_result_window: Duration::from_secs(600),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let embedded = Arc::new(
+            idemgate::store::embedded::EmbeddedStore::open(&dir.path().join("bench.db"), policy)
+                .unwrap(),
+        );
+        let stores: Vec<(&str, Arc<dyn JobStore>)> = vec![
+            (
+                "memory",
+                Arc::new(idemgate::store::memory::MemoryStore::new(policy)),
+            ),
+            ("embedded", embedded.clone()),
+        ];
+        let mut results = Vec::new();
+        for (name, store) in stores {
+            let running = idemgate::start_with_store(config.clone(), store)
+                .await
+                .unwrap();
+            let url = format!("http://{}/v1/chat/completions", running.addr);
+            for concurrency in [1, 32] {
+                let _ = run(&url, concurrency, &format!("warm-{name}-{concurrency}")).await;
+                let before = embedded
+                    .commit_stats()
+                    .commits
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                let row = run(&url, concurrency, &format!("{name}-{concurrency}")).await;
+                let commits = embedded
+                    .commit_stats()
+                    .commits
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    - before;
+                results.push((name, concurrency, row, commits));
+            }
+            running.shutdown().await;
+        }
+        println!("new jobs through the gateway, {REQUESTS} requests per row");
+        println!(
+            "{:<10} {:>4} {:>10} {:>10} {:>10} {:>10} {:>14}",
+            "store", "conc", "req/s", "p50", "p99", "vs memory", "ops/commit"
+        );
+        for (name, concurrency, row, commits) in &results {
+            let memory = &results
+                .iter()
+                .find(|(n, c, ..)| *n == "memory" && c == concurrency)
+                .unwrap()
+                .2;
+            let per_commit = if *commits > 0 {
+                format!("{:.1}", (2 * REQUESTS) as f64 / *commits as f64)
+            } else {
+                "-".into()
+            };
+            println!(
+                "{name:<10} {concurrency:>4} {:>10.0} {:>10.1?} {:>10.1?} {:>9.2}x {:>14}",
+                row.throughput,
+                row.p50,
+                row.p99,
+                row.throughput / memory.throughput,
+                per_commit,
+            );
+        }
+    });
+}
