@@ -142,7 +142,7 @@ impl Gateway {
         let now = SystemTime::now();
         let policy = Self::expiry_policy(&self.config);
         let mut record = JobRecord::new(
-            new_job_id(),
+            new_job_id(&owner, &key),
             owner,
             key,
             fingerprint.clone(),

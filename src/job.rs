@@ -18,9 +18,34 @@ use serde::{Deserialize, Serialize};
 /// A job's id, as returned in `X-Idempotency-Job-Id`.
 pub type JobId = String;
 
-/// Mints a new job id: time-ordered (UUIDv7), so ids sort by creation in logs and listings.
-pub fn new_job_id() -> JobId {
-    format!("job_{}", uuid::Uuid::now_v7().simple())
+/// Mints a new job id for (owner, key): `job_`, a 16-hex shard tag derived from the owner
+/// and key, then a time-ordered UUIDv7. The tag lets a store keep a job next to its claim
+/// (on Redis Cluster: in the same hash slot) and still find the job from its id alone.
+pub fn new_job_id(owner: &str, key: &str) -> JobId {
+    format!(
+        "job_{}{}",
+        &claim_digest(owner, key)[..SHARD_TAG_LEN],
+        uuid::Uuid::now_v7().simple()
+    )
+}
+
+/// Length of the shard tag at the start of a job id, after `job_`.
+pub const SHARD_TAG_LEN: usize = 16;
+
+/// The shard tag of a job id minted by [`new_job_id`].
+pub fn shard_tag(id: &str) -> Option<&str> {
+    let tag = id.strip_prefix("job_")?.get(..SHARD_TAG_LEN)?;
+    tag.bytes().all(|b| b.is_ascii_hexdigit()).then_some(tag)
+}
+
+/// SHA-256 (hex) naming the (owner, key) pair; NUL cannot occur in either.
+pub fn claim_digest(owner: &str, key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(owner.as_bytes());
+    hasher.update([0]);
+    hasher.update(key.as_bytes());
+    hex::encode(hasher.finalize())
 }
 
 /// Where a job is in its life (SPEC §2).
@@ -608,6 +633,21 @@ mod tests {
             &POLICY,
         )
         .unwrap();
+    }
+
+    #[test]
+    fn job_ids_carry_the_shard_tag_of_their_claim() {
+        let a = new_job_id("owner", "key");
+        let b = new_job_id("owner", "key");
+        assert_ne!(a, b);
+        assert_eq!(shard_tag(&a), shard_tag(&b));
+        assert_eq!(
+            shard_tag(&a).unwrap(),
+            &claim_digest("owner", "key")[..SHARD_TAG_LEN]
+        );
+        assert_ne!(shard_tag(&new_job_id("owner", "other")), shard_tag(&a));
+        assert_eq!(shard_tag("job_orphan"), None);
+        assert_ne!(claim_digest("a\0", "b"), claim_digest("a", "\0b"));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Tr
 
 pub mod embedded;
 pub mod memory;
+pub mod redis;
 
 /// The store could not answer. Never a reason to call a provider without a claim.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -85,9 +86,6 @@ pub async fn open(
             &config.path,
             policy,
         )?)),
-        StoreKind::Redis => Err(StoreError::Unavailable(format!(
-            "store.kind {:?} is not available in this build; use \"memory\"",
-            config.kind
-        ))),
+        StoreKind::Redis => Ok(Arc::new(redis::RedisStore::open(config, policy).await?)),
     }
 }

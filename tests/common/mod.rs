@@ -23,6 +23,8 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
+pub mod redis_server;
+
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 pub const ADMIN_TOKEN_ENV: &str = "IDEMGATE_TEST_ADMIN_TOKEN";
 

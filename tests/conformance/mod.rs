@@ -23,7 +23,7 @@ pub const POLICY: ExpiryPolicy = ExpiryPolicy {
 pub fn record(owner: &str, key: &str) -> JobRecord {
     let now = SystemTime::now();
     JobRecord::new(
-        idemgate::job::new_job_id(),
+        idemgate::job::new_job_id(owner, key),
         owner.into(),
         key.into(),
         "fingerprint".into(),

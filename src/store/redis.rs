@@ -1,0 +1,627 @@
+//! The Redis store: several gateways (replicas behind a load balancer, or sidecars) share
+//! one identity for every intent, on Redis or Redis Cluster.
+//!
+//! # Keys
+//!
+//! Every key of a job carries the job's shard tag in braces, so on a Cluster they all live in
+//! one hash slot and every script runs on one node:
+//!
+//! - `P:{tag}:claim:<sha256(owner NUL key)>` → job id — the identity, claimed atomically;
+//! - `P:{tag}:job:<id>` → hash `rev` (revision) and `blob` (the job and its attempts);
+//! - `P:{tag}:resp:<id>` → the stored answer, written once, when an attempt wins;
+//! - channel `P:{tag}:chan:<id>` — published on every change, to wake waiters anywhere.
+//!
+//! The tag is part of the job id ([`crate::job::new_job_id`]), so a job is found from its id
+//! in one round trip.
+//!
+//! # One state machine, applied atomically by compare-and-swap
+//!
+//! The job/attempt rules live once, in [`crate::job`]. Rather than re-writing them in Lua,
+//! each transition is computed in Rust on the record this gateway last saw and written by
+//! one script that succeeds only if the record's revision is still the one computed from —
+//! otherwise it writes nothing and returns the current record, and the transition is
+//! recomputed on that. Every transition is thus applied to the exact current record,
+//! atomically; SPEC §2's compare-and-swap (`version`, `completed_by`, `state`) is evaluated
+//! on it by the same code every store uses. The gateway that runs a job keeps the record
+//! it last wrote, so on the happy path each transition is one round trip: a new job costs two
+//! (claim with its first attempt, then settle) and a replay one.
+//!
+//! # Connections
+//!
+//! Standalone Redis uses the crate's multiplexed `ConnectionManager`: every task's commands
+//! are pipelined on one socket with no pool checkout, and it reconnects by itself after a
+//! blip — for single-command scripts this beats a pool of exclusive connections, which
+//! would only add checkout latency. A Cluster uses the crate's async cluster connection,
+//! which multiplexes per node the same way and follows slot moves.
+//!
+//! # Expiry and replication
+//!
+//! Keys get the job's TTL on every write: `retention` once settled, `retention +
+//! late_result_window` while unsettled, so no newcomer's claim can slip in while an attempt
+//! may still land. Redis replicates asynchronously: a failover can lose an acknowledged
+//! write. `store.wait_replicas = N` makes every claim and settle wait (`WAIT N`) until `N`
+//! replicas have it, trading a round trip for that guarantee.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use tokio::sync::Notify;
+use tracing::{debug, warn};
+
+use super::{Applied, Claim, JobStore, StoreError};
+use crate::config::StoreConfig;
+use crate::job::{
+    claim_digest, shard_tag, ExpiryPolicy, JobRecord, JobState, StoredResponse, Transition,
+};
+
+/// How long one command may take before the store counts as unavailable.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Waiters re-read at least this often, in case a notification was lost with a connection.
+const FALLBACK_POLL: Duration = Duration::from_millis(250);
+const NOTIFY_SHARDS: usize = 64;
+/// Records kept for the jobs this gateway touched recently; a miss costs one extra read.
+const CACHE_LIMIT: usize = 10_000;
+/// Retries of a transition whose record changed underneath it.
+const CAS_RETRIES: usize = 16;
+
+/// Creates the job unless the claim key names a live one; returns what it found.
+const CLAIM: &str = r#"
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  local rec = redis.call('HMGET', ARGV[4] .. existing, 'rev', 'blob')
+  if rec[1] then
+    local resp = redis.call('GET', ARGV[5] .. existing)
+    return {0, existing, rec[1], rec[2], resp or ''}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1}
+"#;
+
+/// Replaces an expired job under its claim, if the claim still names it.
+const REPLACE: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[6] then
+  return {0}
+end
+redis.call('DEL', ARGV[4] .. ARGV[6], ARGV[5] .. ARGV[6])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1}
+"#;
+
+/// Writes a transition's result if the record is still at the revision it was computed
+/// from; otherwise returns the current record. An empty blob only checks the revision.
+const APPLY: &str = r#"
+local rec = redis.call('HMGET', KEYS[1], 'rev', 'blob')
+if not rec[1] then
+  return {-1}
+end
+if rec[1] ~= ARGV[1] then
+  return {0, rec[1], rec[2]}
+end
+if ARGV[2] == '' then
+  return {1, rec[1]}
+end
+local rev = tonumber(rec[1]) + 1
+redis.call('HSET', KEYS[1], 'rev', rev, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+if redis.call('GET', KEYS[3]) == ARGV[6] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
+redis.call('PUBLISH', ARGV[5], rev)
+return {1, tostring(rev)}
+"#;
+
+/// One connection to standalone Redis or to a Cluster.
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+pub struct RedisStore {
+    connection: Connection,
+    prefix: String,
+    policy: ExpiryPolicy,
+    wait_replicas: u32,
+    claim: Script,
+    replace: Script,
+    apply: Script,
+    /// job id → (revision, record without its answer) as this gateway last saw it.
+    cache: Mutex<HashMap<String, (u64, JobRecord)>>,
+    changed: Arc<[Notify]>,
+    round_trips: AtomicU64,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("redis: {e}"))
+}
+
+impl RedisStore {
+    /// Connects to the configured Redis or Redis Cluster and starts listening for changes.
+    pub async fn open(config: &StoreConfig, policy: ExpiryPolicy) -> Result<Self, StoreError> {
+        let connection = if config.cluster {
+            let client = redis::cluster::ClusterClient::builder(config.urls.clone())
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .retries(2)
+                .build()
+                .map_err(unavailable)?;
+            Connection::Cluster(client.get_async_connection().await.map_err(unavailable)?)
+        } else {
+            let client = redis::Client::open(config.urls[0].as_str()).map_err(unavailable)?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_millis(500));
+            Connection::Single(
+                ConnectionManager::new_with_config(client, manager_config)
+                    .await
+                    .map_err(unavailable)?,
+            )
+        };
+        let changed: Arc<[Notify]> = (0..NOTIFY_SHARDS).map(|_| Notify::new()).collect();
+        let store = Self {
+            connection,
+            prefix: config.key_prefix.clone(),
+            policy,
+            wait_replicas: config.wait_replicas,
+            claim: Script::new(CLAIM),
+            replace: Script::new(REPLACE),
+            apply: Script::new(APPLY),
+            cache: Mutex::new(HashMap::new()),
+            changed: changed.clone(),
+            round_trips: AtomicU64::new(0),
+        };
+        // Classic pub/sub reaches every node of a Cluster, so one subscriber sees all jobs.
+        let pattern = format!("{}:*:chan:*", store.prefix);
+        tokio::spawn(listen(
+            config.urls.clone(),
+            pattern,
+            Arc::downgrade(&changed),
+        ));
+        Ok(store)
+    }
+
+    /// Commands sent to Redis so far (each script call is one round trip).
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
+    }
+
+    fn keys(&self, tag: &str) -> Keys {
+        Keys {
+            job: format!("{}:{{{tag}}}:job:", self.prefix),
+            resp: format!("{}:{{{tag}}}:resp:", self.prefix),
+            claim: format!("{}:{{{tag}}}:claim:", self.prefix),
+            chan: format!("{}:{{{tag}}}:chan:", self.prefix),
+        }
+    }
+
+    fn ttl_ms(record: &JobRecord, now: SystemTime) -> u64 {
+        record
+            .job
+            .expires_at
+            .duration_since(now)
+            .map_or(1, |d| d.as_millis().max(1) as u64)
+    }
+
+    async fn invoke(&self, invocation: redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        invocation
+            .invoke_async(&mut connection)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn wait_for_replicas(&self, key: &str) -> Result<(), StoreError> {
+        if self.wait_replicas == 0 {
+            return Ok(());
+        }
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        // On a Cluster, WAIT goes to the node owning `key`: route it by a key-bearing no-op.
+        let mut pipe = redis::pipe();
+        pipe.cmd("EXISTS")
+            .arg(key)
+            .ignore()
+            .cmd("WAIT")
+            .arg(self.wait_replicas)
+            .arg(1000);
+        let (acked,): (u32,) = pipe
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        if acked < self.wait_replicas {
+            warn!(
+                acked,
+                wanted = self.wait_replicas,
+                "fewer replicas than store.wait_replicas acknowledged a write"
+            );
+        }
+        Ok(())
+    }
+
+    fn cached(&self, id: &str) -> Option<(u64, JobRecord)> {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    fn remember(&self, id: &str, rev: u64, mut record: JobRecord) {
+        record.job.response = None;
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() >= CACHE_LIMIT && !cache.contains_key(id) {
+            // Forget an arbitrary entry: a miss only costs a read.
+            if let Some(victim) = cache.keys().next().cloned() {
+                cache.remove(&victim);
+            }
+        }
+        cache.insert(id.to_owned(), (rev, record));
+    }
+
+    fn forget(&self, id: &str) {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+    }
+
+    /// Reads a job (revision, record without answer, answer).
+    async fn fetch(
+        &self,
+        id: &str,
+    ) -> Result<Option<(u64, JobRecord, Option<StoredResponse>)>, StoreError> {
+        let Some(tag) = shard_tag(id) else {
+            return Ok(None);
+        };
+        let keys = self.keys(tag);
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let mut pipe = redis::pipe();
+        pipe.cmd("HMGET")
+            .arg(format!("{}{id}", keys.job))
+            .arg("rev")
+            .arg("blob");
+        pipe.cmd("GET").arg(format!("{}{id}", keys.resp));
+        let ((rev, blob), resp): ((Option<u64>, Option<Vec<u8>>), Option<Vec<u8>>) = pipe
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        let (Some(rev), Some(blob)) = (rev, blob) else {
+            return Ok(None);
+        };
+        let record: JobRecord = decode(&blob)?;
+        let response = resp.map(|r| decode(&r)).transpose()?;
+        Ok(Some((rev, record, response)))
+    }
+
+    fn with_answer(mut record: JobRecord, response: Option<StoredResponse>) -> JobRecord {
+        if record.job.state == JobState::Succeeded {
+            record.job.response = response;
+        }
+        record
+    }
+}
+
+struct Keys {
+    job: String,
+    resp: String,
+    claim: String,
+    chan: String,
+}
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, StoreError> {
+    postcard::from_bytes(bytes)
+        .map_err(|e| StoreError::Unavailable(format!("redis: undecodable record: {e}")))
+}
+
+fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    postcard::to_stdvec(value).expect("records always serialise")
+}
+
+fn shard_of(id: &str) -> usize {
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (hash % NOTIFY_SHARDS as u64) as usize
+}
+
+/// Subscribes to every job channel and wakes local waiters; reconnects until the store is
+/// dropped.
+async fn listen(urls: Vec<String>, pattern: String, changed: std::sync::Weak<[Notify]>) {
+    let mut next_url = 0;
+    loop {
+        if changed.upgrade().is_none() {
+            return;
+        }
+        let url = &urls[next_url % urls.len()];
+        next_url += 1;
+        let subscribed = async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.psubscribe(&pattern).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, subscribed).await {
+            Ok(Ok(mut pubsub)) => {
+                debug!(%url, "listening for job changes");
+                let mut messages = pubsub.on_message();
+                while let Some(message) = messages.next().await {
+                    let Some(changed) = changed.upgrade() else {
+                        return;
+                    };
+                    let channel = message.get_channel_name();
+                    if let Some(id) = channel.rsplit(":chan:").next() {
+                        changed[shard_of(id)].notify_waiters();
+                    }
+                }
+            }
+            Ok(Err(e)) => debug!(%url, error = %e, "cannot subscribe to job changes; waiters poll"),
+            Err(_) => debug!(%url, "subscribing to job changes timed out; waiters poll"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[async_trait]
+impl JobStore for RedisStore {
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let id = record.job.id.clone();
+        let tag = shard_tag(&id)
+            .ok_or_else(|| unavailable(format!("job id {id} carries no shard tag")))?;
+        let keys = self.keys(tag);
+        let claim_key = format!(
+            "{}{}",
+            keys.claim,
+            claim_digest(&record.job.owner, &record.job.key)
+        );
+        let blob = encode(&record);
+        let ttl = Self::ttl_ms(&record, now);
+        let mut invocation = self.claim.prepare_invoke();
+        invocation
+            .key(&claim_key)
+            .key(format!("{}{id}", keys.job))
+            .arg(&id)
+            .arg(&blob)
+            .arg(ttl)
+            .arg(&keys.job)
+            .arg(&keys.resp);
+        let reply = self.invoke(invocation).await?;
+        let found: (
+            i64,
+            Option<String>,
+            Option<u64>,
+            Option<Vec<u8>>,
+            Option<Vec<u8>>,
+        ) = match reply {
+            Value::Array(items) if items.len() == 1 => (1, None, None, None, None),
+            other => redis::from_redis_value(other).map_err(unavailable)?,
+        };
+        if found.0 == 1 {
+            self.wait_for_replicas(&claim_key).await?;
+            self.remember(&id, 1, record.clone());
+            return Ok(Claim::Created(record));
+        }
+        let (_, Some(existing_id), Some(rev), Some(existing_blob), resp) = found else {
+            return Err(unavailable("malformed claim reply"));
+        };
+        let existing: JobRecord = decode(&existing_blob)?;
+        if !existing.is_expired(now) {
+            let response = resp
+                .filter(|r| !r.is_empty())
+                .map(|r| decode(&r))
+                .transpose()?;
+            self.remember(&existing_id, rev, existing.clone());
+            return Ok(Claim::Existing(Self::with_answer(existing, response)));
+        }
+        // Expired by the caller's clock but not yet by Redis's TTL: replace it, if the claim
+        // still names it.
+        let mut invocation = self.replace.prepare_invoke();
+        invocation
+            .key(&claim_key)
+            .key(format!("{}{id}", keys.job))
+            .arg(&id)
+            .arg(&blob)
+            .arg(ttl)
+            .arg(&keys.job)
+            .arg(&keys.resp)
+            .arg(&existing_id);
+        let replaced: Vec<i64> =
+            redis::from_redis_value(self.invoke(invocation).await?).map_err(unavailable)?;
+        if replaced.first() == Some(&1) {
+            self.forget(&existing_id);
+            self.remember(&id, 1, record.clone());
+            Ok(Claim::Created(record))
+        } else {
+            Box::pin(self.claim(record, now)).await
+        }
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        Ok(self.fetch(id).await?.map(|(rev, record, response)| {
+            self.remember(id, rev, record.clone());
+            Self::with_answer(record, response)
+        }))
+    }
+
+    async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+    ) -> Result<Applied, StoreError> {
+        let tag = shard_tag(id).ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let keys = self.keys(tag);
+        let (mut rev, mut record) = match self.cached(id) {
+            Some(cached) => cached,
+            None => {
+                let (rev, record, _) = self
+                    .fetch(id)
+                    .await?
+                    .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+                (rev, record)
+            }
+        };
+        for _ in 0..CAS_RETRIES {
+            let mut next = record.clone();
+            let outcome = next.apply(transition.clone(), now, &self.policy);
+            let response = next.job.response.take();
+            let blob = if outcome.is_ok() {
+                encode(&next)
+            } else {
+                Vec::new()
+            };
+            let response_blob = response.as_ref().map(encode).unwrap_or_default();
+            let claim_key = format!(
+                "{}{}",
+                keys.claim,
+                claim_digest(&next.job.owner, &next.job.key)
+            );
+            let mut invocation = self.apply.prepare_invoke();
+            invocation
+                .key(format!("{}{id}", keys.job))
+                .key(format!("{}{id}", keys.resp))
+                .key(&claim_key)
+                .arg(rev)
+                .arg(&blob)
+                .arg(Self::ttl_ms(&next, now))
+                .arg(&response_blob)
+                .arg(format!("{}{id}", keys.chan))
+                .arg(id);
+            let reply: (i64, Option<u64>, Option<Vec<u8>>) = match self.invoke(invocation).await? {
+                Value::Array(items) if items.len() == 1 => (-1, None, None),
+                Value::Array(items) if items.len() == 2 => {
+                    let (status, rev): (i64, String) =
+                        redis::from_redis_value(Value::Array(items)).map_err(unavailable)?;
+                    (status, rev.parse().ok(), None)
+                }
+                other => redis::from_redis_value(other).map_err(unavailable)?,
+            };
+            match reply {
+                (-1, ..) => {
+                    self.forget(id);
+                    return Err(StoreError::NotFound(id.to_owned()));
+                }
+                (1, Some(new_rev), _) => {
+                    if outcome.is_ok() {
+                        self.wait_for_replicas(&claim_key).await?;
+                    }
+                    self.remember(id, new_rev, next.clone());
+                    let record = if next.job.state == JobState::Succeeded && response.is_none() {
+                        // The answer was stored by an earlier transition: read it back.
+                        self.fetch(id)
+                            .await?
+                            .map_or(next, |(_, r, answer)| Self::with_answer(r, answer))
+                    } else {
+                        next.job.response = response;
+                        next
+                    };
+                    return Ok(Applied { outcome, record });
+                }
+                (0, Some(current_rev), Some(current_blob)) => {
+                    // Someone else changed the job: recompute on what is there now.
+                    rev = current_rev;
+                    record = decode(&current_blob)?;
+                }
+                _ => return Err(unavailable("malformed apply reply")),
+            }
+        }
+        self.forget(id);
+        Err(unavailable(format!(
+            "job {id} kept changing; gave up after {CAS_RETRIES} tries"
+        )))
+    }
+
+    async fn wait_change(
+        &self,
+        id: &str,
+        seen_version: u64,
+        seen_state: JobState,
+        timeout: Duration,
+    ) -> Result<JobRecord, StoreError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed[shard_of(id)].notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let record = self
+                .get(id)
+                .await?
+                .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+            if record.job.version != seen_version || record.job.state != seen_state {
+                return Ok(record);
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(record);
+            }
+            let wake = deadline.min(now + FALLBACK_POLL);
+            let _ = tokio::time::timeout_at(wake, notified).await;
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut connection = self.connection.clone();
+        redis::cmd("PING")
+            .query_async::<String>(&mut connection)
+            .await
+            .map(drop)
+            .map_err(unavailable)
+    }
+}

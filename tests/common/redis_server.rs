@@ -1,0 +1,175 @@
+//! Real `redis-server` processes for tests: a standalone server, or a 3-master Cluster,
+//! each on free ports, in a temporary directory, killed when dropped.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{closed_port, PATIENCE};
+
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn spawn(port: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
+    Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server is installed (.ci/run installs it)")
+}
+
+/// Waits (bounded) until the server at `port` answers `PING`.
+async fn wait_ready(port: u16) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    loop {
+        if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+            if redis::cmd("PING")
+                .query_async::<String>(&mut c)
+                .await
+                .is_ok()
+            {
+                return;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "redis-server on {port} never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl RedisServer {
+    pub async fn start() -> Self {
+        let port = closed_port().await.port();
+        let dir = tempfile::tempdir().unwrap();
+        let child = spawn(port, dir.path(), &[]);
+        wait_ready(port).await;
+        Self {
+            child: Some(child),
+            port,
+            dir,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGKILL): the store must notice.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.child = Some(spawn(self.port, self.dir.path(), &[]));
+        wait_ready(self.port).await;
+    }
+
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+}
+
+/// A 3-master Redis Cluster, no replicas.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub async fn start() -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = closed_port().await.port();
+            let dir = tempfile::tempdir().unwrap();
+            let conf = dir.path().join("nodes.conf");
+            let child = spawn(
+                port,
+                dir.path(),
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    conf.to_str().unwrap(),
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            );
+            wait_ready(port).await;
+            nodes.push(RedisServer {
+                child: Some(child),
+                port,
+                dir,
+            });
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let status = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli is installed (.ci/run installs it)");
+        assert!(status.success(), "redis-cli --cluster create failed");
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        for node in &nodes {
+            loop {
+                let mut c = node.connection().await;
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the cluster never became ready: {info}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Self { nodes }
+    }
+
+    /// The `store.url` value: every node, comma-separated.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
