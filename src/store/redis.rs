@@ -339,7 +339,7 @@ impl RedisStore {
             .arg("rev")
             .arg("blob");
         pipe.cmd("GET").arg(format!("{}{id}", keys.resp));
-        let ((rev, blob), resp): ((Option<u64>, Option<Vec<u8>>), Option<Vec<u8>>) = pipe
+        let ((rev, blob), resp): (RawJob, Option<Vec<u8>>) = pipe
             .query_async(&mut connection)
             .await
             .map_err(unavailable)?;
@@ -358,6 +358,9 @@ impl RedisStore {
         record
     }
 }
+
+/// A job hash as read: revision and blob, each absent when the job is.
+type RawJob = (Option<u64>, Option<Vec<u8>>);
 
 struct Keys {
     job: String,
