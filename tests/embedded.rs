@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -155,55 +155,6 @@ async fn expired_jobs_are_swept_in_the_background() {
 }
 
 // ---- kill -9 ------------------------------------------------------------------------------
-
-struct Process {
-    child: Child,
-    base: String,
-    admin: String,
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn free_port() -> u16 {
-    closed_port().await.port()
-}
-
-async fn spawn_gateway(config: &std::path::Path, port: u16, admin_port: u16) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .arg("--config")
-        .arg(config)
-        .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
-        .env("IDEMGATE_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let process = Process {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        admin: format!("http://127.0.0.1:{admin_port}"),
-    };
-    // A child process has no signal to await but its port: poll it, bounded.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", admin_port))
-            .await
-            .is_ok()
-        {
-            return process;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the gateway never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run() {

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -393,4 +394,55 @@ pub fn comparable_headers(reply: &Reply) -> HashMap<String, String> {
         .filter(|(k, _)| *k != "idempotent-replayed")
         .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_owned()))
         .collect()
+}
+
+/// The `idemgate` binary running as a child process, killed when dropped.
+pub struct Process {
+    pub child: Child,
+    pub base: String,
+    pub admin: String,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub async fn free_port() -> u16 {
+    closed_port().await.port()
+}
+
+/// Starts the binary on `config` and waits (bounded) until its admin port accepts.
+pub async fn spawn_gateway(config: &std::path::Path, port: u16, admin_port: u16) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(config)
+        .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
+        .env("IDEMGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let process = Process {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+        admin: format!("http://127.0.0.1:{admin_port}"),
+    };
+    // A child process has no signal to await but its port: poll it, bounded.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if tokio::net::TcpStream::connect(("127.0.0.1", admin_port))
+            .await
+            .is_ok()
+        {
+            return process;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the gateway never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

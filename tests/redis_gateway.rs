@@ -1,0 +1,317 @@
+//! Several gateways sharing one Redis: one identity per intent across instances, fail-closed
+//! when Redis is gone, and the store round trips a request costs.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::redis_server::RedisServer;
+use common::*;
+use http::Method;
+use idemgate::config::{StoreConfig, StoreKind};
+use idemgate::job::ExpiryPolicy;
+use idemgate::store::redis::RedisStore;
+use idemgate::store::JobStore;
+
+const CHAT: &str = "/v1/chat/completions";
+
+const POLICY: ExpiryPolicy = ExpiryPolicy {
+    retention: Duration::from_secs(3600),
+    late_result_window: Duration::from_secs(600),
+};
+
+async fn store(server: &RedisServer) -> Arc<RedisStore> {
+    let config = StoreConfig {
+        kind: StoreKind::Redis,
+        path: Default::default(),
+        urls: vec![server.url()],
+        cluster: false,
+        key_prefix: "idemgate".into(),
+        pool_size: None,
+        wait_replicas: 0,
+    };
+    Arc::new(RedisStore::open(&config, POLICY).await.unwrap())
+}
+
+fn config(primary: &str, fallback: Option<&str>, route: &str) -> String {
+    let mut text = format!("[[providers]]\nname = \"primary\"\nbase_url = \"{primary}\"\n");
+    let mut names = "\"primary\"".to_owned();
+    if let Some(fallback) = fallback {
+        text.push_str(&format!(
+            "[[providers]]\nname = \"fallback\"\nbase_url = \"{fallback}\"\n"
+        ));
+        names.push_str(", \"fallback\"");
+    }
+    text.push_str(&format!(
+        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [{names}]\n{route}\n"
+    ));
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
+    let server = RedisServer::start().await;
+    let mut primary = HeldProvider::start().await;
+    let a = Arc::new(
+        TestGateway::start_on(&config(&primary.url(), None, ""), store(&server).await).await,
+    );
+    let b = Arc::new(
+        TestGateway::start_on(&config(&primary.url(), None, ""), store(&server).await).await,
+    );
+    let mut clicks = Vec::new();
+    for i in 0..50 {
+        let gw = if i % 2 == 0 { a.clone() } else { b.clone() };
+        clicks.push(tokio::spawn(async move {
+            gw.post(CHAT, Some("shared-click"), chat_request()).await
+        }));
+    }
+    let call = primary.next_call().await;
+    primary
+        .assert_no_call_within(Duration::from_millis(300))
+        .await;
+    call.answer(200, fixture("openai-chat-completion.json"));
+    let mut ids = std::collections::HashSet::new();
+    for click in clicks {
+        let reply = click.await.unwrap();
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert_eq!(reply.body, fixture("openai-chat-completion.json"));
+        ids.insert(reply.job_id());
+    }
+    assert_eq!(ids.len(), 1, "one job id across both gateways");
+    assert_eq!(primary.calls(), 1, "one upstream call across both gateways");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_race_across_instances_has_one_winner() {
+    let server = RedisServer::start().await;
+    let mut primary = HeldProvider::start().await;
+    let mut fallback = HeldProvider::start().await;
+    let route = config(
+        &primary.url(),
+        Some(&fallback.url()),
+        "hedge_after = \"100ms\"",
+    );
+    let a = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
+    let b = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
+
+    let first = {
+        let a = a.clone();
+        tokio::spawn(async move { a.post(CHAT, Some("k-race"), chat_request()).await })
+    };
+    let primary_call = primary.next_call().await;
+    let fallback_call = fallback.next_call().await;
+    // A duplicate on the other gateway waits for the job.
+    let duplicate = {
+        let b = b.clone();
+        tokio::spawn(async move { b.post(CHAT, Some("k-race"), chat_request()).await })
+    };
+    fallback_call.answer(200, Bytes::from_static(br#"{"from":"fallback"}"#));
+    let first = first.await.unwrap();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(first.body, Bytes::from_static(br#"{"from":"fallback"}"#));
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(duplicate.job_id(), first.job_id());
+    assert_eq!(duplicate.header("x-idempotency-attempt"), Some("2"));
+
+    primary_call.answer(200, Bytes::from_static(br#"{"from":"primary"}"#));
+    let id = first.job_id();
+    let view = b
+        .job_eventually(&id, |v| v["attempts"][0]["state"] == "lost_race")
+        .await;
+    assert_eq!(view["job"]["completed_by"], 2);
+    let replay = b.post(CHAT, Some("k-race"), chat_request()).await;
+    assert_eq!(
+        replay.body,
+        Bytes::from_static(br#"{"from":"fallback"}"#),
+        "the loser's body is never served"
+    );
+    assert_eq!((primary.calls(), fallback.calls()), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_fails_closed_and_traffic_resumes_when_it_is_back() {
+    let mut server = RedisServer::start().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let gw = TestGateway::start_on(&config(&provider.uri(), None, ""), store(&server).await).await;
+    assert_eq!(
+        gw.post(CHAT, Some("k-before"), chat_request()).await.status,
+        200
+    );
+
+    server.stop();
+    let refused = gw.post(CHAT, Some("k-down"), chat_request()).await;
+    refused.assert_problem(503, "store-unavailable");
+    let c = client();
+    let ready = send(
+        &c,
+        Method::GET,
+        &format!("{}/readyz", gw.admin),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(
+        received(&provider).await,
+        1,
+        "no upstream call without a claim"
+    );
+
+    server.restart().await;
+    // The connection comes back by itself; allow it a few bounded tries to notice.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let reply = gw.post(CHAT, Some("k-after"), chat_request()).await;
+        if reply.status == 200 {
+            break;
+        }
+        reply.assert_problem(503, "store-unavailable");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "traffic never resumed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(received(&provider).await, 2);
+    let ready = send(
+        &c,
+        Method::GET,
+        &format!("{}/readyz", gw.admin),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(ready.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
+    let server = RedisServer::start().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let redis = store(&server).await;
+    let gw = TestGateway::start_on(
+        &config(&provider.uri(), None, ""),
+        redis.clone() as Arc<dyn JobStore>,
+    )
+    .await;
+
+    // Load the scripts once, so the counts below are not skewed by a NOSCRIPT fallback.
+    assert_eq!(
+        gw.post(CHAT, Some("k-warm"), chat_request()).await.status,
+        200
+    );
+    let mut c = server.connection().await;
+    let script_calls = |stats: String| -> u64 {
+        stats
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let before = redis.round_trips();
+    let first = gw.post(CHAT, Some("k-trips"), chat_request()).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        redis.round_trips() - before,
+        2,
+        "claim (with attempt 1) and settle"
+    );
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(script_calls(stats), 2, "two scripts ran on the server");
+
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let before = redis.round_trips();
+    let replay = gw.post(CHAT, Some("k-trips"), chat_request()).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(
+        redis.round_trips() - before,
+        1,
+        "a replay is the claim alone"
+    );
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(script_calls(stats), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
+    let server = RedisServer::start().await;
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port().await, free_port().await);
+    let file = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
+             [store]\nkind = \"redis\"\nurl = \"{}\"\n[idempotency]\nlease = \"300ms\"\n{}",
+            server.url(),
+            config(&provider.url(), None, "")
+        ),
+    )
+    .unwrap();
+    let mut doomed = spawn_gateway(&file, port, admin_port).await;
+    let cut = {
+        let url = format!("{}{CHAT}", doomed.base);
+        tokio::spawn(async move {
+            let request = http::Request::post(url)
+                .header("authorization", "Bearer sk-client-1")
+                .header("idempotency-key", "k-killed")
+                .body(http_body_util::Full::new(chat_request()))
+                .unwrap();
+            let _ = client().request(request).await;
+        })
+    };
+    let _held = provider.next_call().await;
+    doomed.child.kill().unwrap();
+    doomed.child.wait().unwrap();
+    let _ = bounded("the cut request", cut).await;
+
+    let survivor = TestGateway::start_on(
+        &format!(
+            "[idempotency]\nlease = \"300ms\"\n{}",
+            config(&provider.url(), None, "")
+        ),
+        store(&server).await,
+    )
+    .await;
+    let reply = survivor.post(CHAT, Some("k-killed"), chat_request()).await;
+    reply.assert_problem(409, "outcome-unknown");
+    let view = survivor.job(&reply.job_id()).await;
+    assert_eq!(view["job"]["state"], "unknown");
+    assert_eq!(provider.calls(), 1, "never a second upstream call");
+}
