@@ -4,7 +4,9 @@
 //!     cargo bench --bench stores
 //!
 //! Every request is a new job (a fresh key) answered at once by a local provider, so the
-//! store's claim and settle are the part that differs between rows.
+//! store's claim and settle are the part that differs between rows. The Redis row runs
+//! against a `redis-server` this bench starts on a free port (skipped when none is
+//! installed); replays are measured too, since on Redis they are one round trip.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -122,14 +124,31 @@ fn main() {
             idemgate::store::embedded::EmbeddedStore::open(&dir.path().join("bench.db"), policy)
                 .unwrap(),
         );
-        let stores: Vec<(&str, Arc<dyn JobStore>)> = vec![
+        let mut stores: Vec<(&str, Arc<dyn JobStore>)> = vec![
             (
                 "memory",
                 Arc::new(idemgate::store::memory::MemoryStore::new(policy)),
             ),
             ("embedded", embedded.clone()),
         ];
+        let redis_server = start_redis().await;
+        if let Some((_, url)) = &redis_server {
+            let config = idemgate::config::StoreConfig {
+                kind: idemgate::config::StoreKind::Redis,
+                path: Default::default(),
+                urls: vec![url.clone()],
+                cluster: false,
+                key_prefix: "bench".into(),
+                pool_size: None,
+                wait_replicas: 0,
+            };
+            let store = idemgate::store::redis::RedisStore::open(&config, policy)
+                .await
+                .unwrap();
+            stores.push(("redis", Arc::new(store)));
+        }
         let mut results = Vec::new();
+        let mut replays: Vec<(&str, usize, Row)> = Vec::new();
         for (name, store) in stores {
             let running = idemgate::start_with_store(config.clone(), store)
                 .await
@@ -148,6 +167,9 @@ fn main() {
                     .load(std::sync::atomic::Ordering::Relaxed)
                     - before;
                 results.push((name, concurrency, row, commits));
+                // The same keys again: every request is a replay.
+                let replay = run(&url, concurrency, &format!("{name}-{concurrency}")).await;
+                replays.push((name, concurrency, replay));
             }
             running.shutdown().await;
         }
@@ -176,5 +198,61 @@ fn main() {
                 per_commit,
             );
         }
+        println!("\nreplays through the gateway, {REQUESTS} requests per row");
+        println!(
+            "{:<10} {:>4} {:>10} {:>10} {:>10} {:>10}",
+            "store", "conc", "req/s", "p50", "p99", "vs memory"
+        );
+        for (name, concurrency, row) in &replays {
+            let memory = &replays
+                .iter()
+                .find(|(n, c, _)| *n == "memory" && c == concurrency)
+                .unwrap()
+                .2;
+            println!(
+                "{name:<10} {concurrency:>4} {:>10.0} {:>10.1?} {:>10.1?} {:>9.2}x",
+                row.throughput,
+                row.p50,
+                row.p99,
+                row.throughput / memory.throughput,
+            );
+        }
+        if let Some((mut child, _)) = redis_server {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     });
+}
+
+/// A throw-away `redis-server` on a free port, if one is installed.
+async fn start_redis() -> Option<(std::process::Child, String)> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .await
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let child = std::process::Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let url = format!("redis://127.0.0.1:{port}");
+    let client = redis::Client::open(url.as_str()).ok()?;
+    for _ in 0..200 {
+        if client.get_multiplexed_async_connection().await.is_ok() {
+            return Some((child, url));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
 }
