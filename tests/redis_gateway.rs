@@ -315,3 +315,59 @@ async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
     assert_eq!(view["job"]["state"], "unknown");
     assert_eq!(provider.calls(), 1, "never a second upstream call");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_live_for_retention_after_settling_and_longer_while_unsettled() {
+    let server = RedisServer::start().await;
+    let mut provider = HeldProvider::start().await;
+    // The gateway's retention matches the store's POLICY: 1h, and 10m for late answers.
+    let route = format!(
+        "[idempotency]\nretention = \"1h\"\n{}",
+        config(&provider.url(), None, "")
+    );
+    let gw = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
+    let mut c = server.connection().await;
+    let pttls = |pattern: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(pattern)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            let mut ttls = Vec::new();
+            for key in keys {
+                let ttl: i64 = redis::cmd("PTTL")
+                    .arg(&key)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                ttls.push((key, ttl));
+            }
+            ttls
+        }
+    };
+    let running = {
+        let gw = gw.clone();
+        tokio::spawn(async move { gw.post(CHAT, Some("k-ttl"), chat_request()).await })
+    };
+    let call = provider.next_call().await;
+    let unsettled = (POLICY.retention + POLICY.late_result_window).as_millis() as i64;
+    let ttls = pttls("idemgate:*").await;
+    assert_eq!(ttls.len(), 2, "claim and job: {ttls:?}");
+    for (key, ttl) in &ttls {
+        assert!(
+            *ttl > unsettled - 60_000 && *ttl <= unsettled,
+            "{key}: {ttl}"
+        );
+    }
+    call.answer(200, Bytes::from_static(b"{}"));
+    assert_eq!(running.await.unwrap().status, 200);
+    let settled = POLICY.retention.as_millis() as i64;
+    let ttls = pttls("idemgate:*").await;
+    assert_eq!(ttls.len(), 3, "claim, job and answer: {ttls:?}");
+    for (key, ttl) in &ttls {
+        assert!(*ttl > settled - 60_000 && *ttl <= settled, "{key}: {ttl}");
+    }
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+}
