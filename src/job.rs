@@ -647,7 +647,7 @@ mod tests {
         );
         assert_ne!(shard_tag(&new_job_id("owner", "other")), shard_tag(&a));
         assert_eq!(shard_tag("job_orphan"), None);
-        assert_ne!(claim_digest("a\0", "b"), claim_digest("a", "\0b"));
+        assert_ne!(claim_digest("ab", "c"), claim_digest("a", "bc"));
     }
 
     #[test]
