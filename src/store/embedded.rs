@@ -32,10 +32,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use redb::{Database, ReadableTable, Table, TableDefinition, WriteTransaction};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info};
 
-use super::{Applied, Claim, JobStore, StoreError};
+use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition};
 
 const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
@@ -47,8 +47,6 @@ const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
 const MAX_GROUP: usize = 512;
 /// Most expired jobs one sweep deletes, so a sweep never holds the writer for long.
 const SWEEP_LIMIT: usize = 1000;
-/// Waiters are woken through one of these many shards, keyed by job id.
-const NOTIFY_SHARDS: usize = 64;
 
 #[derive(Debug)]
 pub struct EmbeddedStore {
@@ -57,7 +55,7 @@ pub struct EmbeddedStore {
     writer: mpsc::UnboundedSender<Op>,
     /// Joined on drop, so the file is closed (and its lock released) when the store is.
     thread: Option<std::thread::JoinHandle<()>>,
-    changed: Arc<[Notify]>,
+    changed: Arc<Changes>,
     stats: Arc<CommitStats>,
 }
 
@@ -126,7 +124,7 @@ impl EmbeddedStore {
         txn.commit().map_err(|e| fail("cannot write to it", &e))?;
 
         let db = Arc::new(db);
-        let changed: Arc<[Notify]> = (0..NOTIFY_SHARDS).map(|_| Notify::new()).collect();
+        let changed = Arc::new(Changes::new());
         let (writer, queue) = mpsc::unbounded_channel();
         let writer_db = db.clone();
         let writer_changed = changed.clone();
@@ -216,10 +214,6 @@ impl EmbeddedStore {
             .map_err(|_| self.unavailable("the writer has stopped"))?
     }
 
-    fn shard(&self, id: &str) -> &Notify {
-        &self.changed[shard_of(id)]
-    }
-
     fn read_claim(
         &self,
         record: &JobRecord,
@@ -245,30 +239,14 @@ impl EmbeddedStore {
         let Some(bytes) = jobs.get(id).map_err(|e| self.unavailable(e))? else {
             return Ok(None);
         };
-        let mut record: JobRecord = decode(bytes.value()).map_err(|e| self.unavailable(e))?;
+        let mut record: JobRecord = decode(bytes.value())?;
         if record.job.state == JobState::Succeeded {
             if let Some(bytes) = responses.get(id).map_err(|e| self.unavailable(e))? {
-                record.job.response = Some(decode(bytes.value()).map_err(|e| self.unavailable(e))?);
+                record.job.response = Some(decode(bytes.value())?);
             }
         }
         Ok(Some(record))
     }
-}
-
-fn shard_of(id: &str) -> usize {
-    // FNV-1a: cheap and good enough to spread job ids over the shards.
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    (hash % NOTIFY_SHARDS as u64) as usize
-}
-
-fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, postcard::Error> {
-    postcard::from_bytes(bytes)
-}
-
-fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    postcard::to_stdvec(value).expect("records always serialise")
 }
 
 fn millis(t: SystemTime) -> u64 {
@@ -289,7 +267,7 @@ fn claim_key(record: &JobRecord) -> Vec<u8> {
 fn write_loop(
     db: &Database,
     mut queue: mpsc::UnboundedReceiver<Op>,
-    changed: &[Notify],
+    changed: &Changes,
     policy: ExpiryPolicy,
     path: &str,
     stats: &CommitStats,
@@ -330,7 +308,7 @@ fn write_loop(
                     reply.send();
                 }
                 for id in touched {
-                    changed[shard_of(&id)].notify_waiters();
+                    changed.of(&id).notify_waiters();
                 }
             }
             Err(e) => {
@@ -583,7 +561,7 @@ impl JobStore for EmbeddedStore {
     ) -> Result<JobRecord, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.shard(id).notified();
+            let notified = self.changed.of(id).notified();
             tokio::pin!(notified);
             // Registered before the read, so a commit between the two still wakes us.
             notified.as_mut().enable();
@@ -604,17 +582,5 @@ impl JobStore for EmbeddedStore {
             .begin_read()
             .map(drop)
             .map_err(|e| self.unavailable(e))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shards_spread_ids() {
-        let used: std::collections::HashSet<usize> =
-            (0..1000).map(|i| shard_of(&format!("job_{i}"))).collect();
-        assert!(used.len() > NOTIFY_SHARDS / 2);
     }
 }

@@ -75,6 +75,44 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     async fn ping(&self) -> Result<(), StoreError>;
 }
 
+/// Wakes the waiters of a job through one of a fixed number of shards keyed by its id, so
+/// memory stays bounded however many jobs there are; a waiter woken for another job of its
+/// shard re-reads and waits again.
+#[derive(Debug)]
+pub(crate) struct Changes {
+    shards: Box<[tokio::sync::Notify]>,
+}
+
+impl Changes {
+    const SHARDS: u64 = 64;
+
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..Self::SHARDS)
+                .map(|_| tokio::sync::Notify::new())
+                .collect(),
+        }
+    }
+
+    pub(crate) fn of(&self, id: &str) -> &tokio::sync::Notify {
+        // FNV-1a: cheap, and spreads job ids well enough over the shards.
+        let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        &self.shards[(hash % Self::SHARDS) as usize]
+    }
+}
+
+/// The binary form records are kept in by the stores that serialise them.
+pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    postcard::to_stdvec(value).expect("records always serialise")
+}
+
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, StoreError> {
+    postcard::from_bytes(bytes)
+        .map_err(|e| StoreError::Unavailable(format!("undecodable record: {e}")))
+}
+
 /// Opens the store the config names.
 pub async fn open(
     config: &StoreConfig,

@@ -52,10 +52,9 @@ use futures_util::StreamExt;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
-use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use super::{Applied, Claim, JobStore, StoreError};
+use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
 use crate::config::StoreConfig;
 use crate::job::{
     claim_digest, shard_tag, ExpiryPolicy, JobRecord, JobState, StoredResponse, Transition,
@@ -66,7 +65,6 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Waiters re-read at least this often, in case a notification was lost with a connection.
 const FALLBACK_POLL: Duration = Duration::from_millis(250);
-const NOTIFY_SHARDS: usize = 64;
 /// Records kept for the jobs this gateway touched recently; a miss costs one extra read.
 const CACHE_LIMIT: usize = 10_000;
 /// Retries of a transition whose record changed underneath it.
@@ -173,7 +171,7 @@ pub struct RedisStore {
     apply: Script,
     /// job id → (revision, record without its answer) as this gateway last saw it.
     cache: Mutex<HashMap<String, (u64, JobRecord)>>,
-    changed: Arc<[Notify]>,
+    changed: Arc<Changes>,
     round_trips: AtomicU64,
 }
 
@@ -213,7 +211,7 @@ impl RedisStore {
                     .map_err(unavailable)?,
             )
         };
-        let changed: Arc<[Notify]> = (0..NOTIFY_SHARDS).map(|_| Notify::new()).collect();
+        let changed = Arc::new(Changes::new());
         let store = Self {
             connection,
             prefix: config.key_prefix.clone(),
@@ -369,25 +367,9 @@ struct Keys {
     chan: String,
 }
 
-fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, StoreError> {
-    postcard::from_bytes(bytes)
-        .map_err(|e| StoreError::Unavailable(format!("redis: undecodable record: {e}")))
-}
-
-fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    postcard::to_stdvec(value).expect("records always serialise")
-}
-
-fn shard_of(id: &str) -> usize {
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    (hash % NOTIFY_SHARDS as u64) as usize
-}
-
 /// Subscribes to every job channel and wakes local waiters; reconnects until the store is
 /// dropped.
-async fn listen(urls: Vec<String>, pattern: String, changed: std::sync::Weak<[Notify]>) {
+async fn listen(urls: Vec<String>, pattern: String, changed: std::sync::Weak<Changes>) {
     let mut next_url = 0;
     loop {
         if changed.upgrade().is_none() {
@@ -411,7 +393,7 @@ async fn listen(urls: Vec<String>, pattern: String, changed: std::sync::Weak<[No
                     };
                     let channel = message.get_channel_name();
                     if let Some(id) = channel.rsplit(":chan:").next() {
-                        changed[shard_of(id)].notify_waiters();
+                        changed.of(id).notify_waiters();
                     }
                 }
             }
@@ -600,7 +582,7 @@ impl JobStore for RedisStore {
     ) -> Result<JobRecord, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let notified = self.changed[shard_of(id)].notified();
+            let notified = self.changed.of(id).notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let record = self
