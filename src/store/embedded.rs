@@ -559,22 +559,11 @@ impl JobStore for EmbeddedStore {
         seen_state: JobState,
         timeout: Duration,
     ) -> Result<JobRecord, StoreError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let notified = self.changed.of(id).notified();
-            tokio::pin!(notified);
-            // Registered before the read, so a commit between the two still wakes us.
-            notified.as_mut().enable();
-            let record = self
-                .read(id)?
-                .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-            if record.job.version != seen_version || record.job.state != seen_state {
-                return Ok(record);
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Ok(record);
-            }
-        }
+        let seen = (seen_version, seen_state);
+        super::wait_for_change(&self.changed, id, seen, timeout, None, || async {
+            self.read(id)
+        })
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -10,37 +10,28 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use tokio::sync::Notify;
 
-use super::{Applied, Claim, JobStore, StoreError};
+use super::{Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
 #[derive(Debug)]
 pub struct MemoryStore {
     inner: Arc<Mutex<State>>,
     policy: ExpiryPolicy,
+    changed: Changes,
 }
 
 #[derive(Debug, Default)]
 struct State {
     /// (owner, key) → job id: the identity index the claim is atomic over.
     by_key: HashMap<(String, String), JobId>,
-    jobs: HashMap<JobId, Entry>,
-}
-
-#[derive(Debug)]
-struct Entry {
-    record: JobRecord,
-    /// Wakes requests waiting for this job to change.
-    changed: Arc<Notify>,
+    jobs: HashMap<JobId, JobRecord>,
 }
 
 impl State {
     fn remove(&mut self, id: &str) {
-        if let Some(entry) = self.jobs.remove(id) {
-            let job = entry.record.job;
-            self.by_key.remove(&(job.owner, job.key));
-            entry.changed.notify_waiters();
+        if let Some(record) = self.jobs.remove(id) {
+            self.by_key.remove(&(record.job.owner, record.job.key));
         }
     }
 }
@@ -56,22 +47,17 @@ impl MemoryStore {
                 .clamp(Duration::from_secs(1), Duration::from_secs(60));
             handle.spawn(sweep(weak, every));
         }
-        Self { inner, policy }
+        Self {
+            inner,
+            policy,
+            changed: Changes::new(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave a half-applied transition: records
         // are replaced only after the pure transition returned.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn notifier(&self, id: &str) -> Result<(Arc<Notify>, JobRecord), StoreError> {
-        let state = self.lock();
-        let entry = state
-            .jobs
-            .get(id)
-            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-        Ok((entry.changed.clone(), entry.record.clone()))
     }
 }
 
@@ -85,7 +71,7 @@ async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
         let expired: Vec<JobId> = state
             .jobs
             .iter()
-            .filter(|(_, e)| e.record.is_expired(now))
+            .filter(|(_, record)| record.is_expired(now))
             .map(|(id, _)| id.clone())
             .collect();
         for id in expired {
@@ -101,25 +87,19 @@ impl JobStore for MemoryStore {
         let index = (record.job.owner.clone(), record.job.key.clone());
         if let Some(id) = state.by_key.get(&index).cloned() {
             match state.jobs.get(&id) {
-                Some(entry) if !entry.record.is_expired(now) => {
-                    return Ok(Claim::Existing(entry.record.clone()));
+                Some(record) if !record.is_expired(now) => {
+                    return Ok(Claim::Existing(record.clone()));
                 }
                 _ => state.remove(&id),
             }
         }
         state.by_key.insert(index, record.job.id.clone());
-        state.jobs.insert(
-            record.job.id.clone(),
-            Entry {
-                record: record.clone(),
-                changed: Arc::new(Notify::new()),
-            },
-        );
+        state.jobs.insert(record.job.id.clone(), record.clone());
         Ok(Claim::Created(record))
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        Ok(self.lock().jobs.get(id).map(|e| e.record.clone()))
+        Ok(self.lock().jobs.get(id).cloned())
     }
 
     async fn apply(
@@ -129,18 +109,17 @@ impl JobStore for MemoryStore {
         now: SystemTime,
     ) -> Result<Applied, StoreError> {
         let mut state = self.lock();
-        let entry = state
+        let record = state
             .jobs
             .get_mut(id)
             .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-        let outcome = entry.record.apply(transition, now, &self.policy);
+        let outcome = record.apply(transition, now, &self.policy);
+        let record = record.clone();
+        drop(state);
         if outcome.is_ok() {
-            entry.changed.notify_waiters();
+            self.changed.of(id).notify_waiters();
         }
-        Ok(Applied {
-            outcome,
-            record: entry.record.clone(),
-        })
+        Ok(Applied { outcome, record })
     }
 
     async fn wait_change(
@@ -150,22 +129,11 @@ impl JobStore for MemoryStore {
         seen_state: JobState,
         timeout: Duration,
     ) -> Result<JobRecord, StoreError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let (changed, _) = self.notifier(id)?;
-            let notified = changed.notified();
-            tokio::pin!(notified);
-            // Registered before the re-read, so a change between the read and the await
-            // still wakes us.
-            notified.as_mut().enable();
-            let (_, record) = self.notifier(id)?;
-            if record.job.version != seen_version || record.job.state != seen_state {
-                return Ok(record);
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Ok(record);
-            }
-        }
+        let seen = (seen_version, seen_state);
+        super::wait_for_change(&self.changed, id, seen, timeout, None, || async {
+            self.get(id).await
+        })
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

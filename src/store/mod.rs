@@ -103,6 +103,39 @@ impl Changes {
     }
 }
 
+/// The wait every store offers: re-read the job until its version or state differs from
+/// what the caller saw, sleeping on the job's change notification in between (and waking at
+/// least every `poll`, for stores whose notifications can be lost), up to `timeout`.
+pub(crate) async fn wait_for_change<F, Fut>(
+    changes: &Changes,
+    id: &str,
+    seen: (u64, JobState),
+    timeout: Duration,
+    poll: Option<Duration>,
+    read: F,
+) -> Result<JobRecord, StoreError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<JobRecord>, StoreError>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let notified = changes.of(id).notified();
+        tokio::pin!(notified);
+        // Registered before the read, so a change between the two still wakes us.
+        notified.as_mut().enable();
+        let record = read()
+            .await?
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let now = tokio::time::Instant::now();
+        if (record.job.version, record.job.state) != seen || now >= deadline {
+            return Ok(record);
+        }
+        let wake = poll.map_or(deadline, |poll| deadline.min(now + poll));
+        let _ = tokio::time::timeout_at(wake, notified).await;
+    }
+}
+
 /// The binary form records are kept in by the stores that serialise them.
 pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
     postcard::to_stdvec(value).expect("records always serialise")

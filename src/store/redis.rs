@@ -580,25 +580,16 @@ impl JobStore for RedisStore {
         seen_state: JobState,
         timeout: Duration,
     ) -> Result<JobRecord, StoreError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let notified = self.changed.of(id).notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let record = self
-                .get(id)
-                .await?
-                .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-            if record.job.version != seen_version || record.job.state != seen_state {
-                return Ok(record);
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return Ok(record);
-            }
-            let wake = deadline.min(now + FALLBACK_POLL);
-            let _ = tokio::time::timeout_at(wake, notified).await;
-        }
+        let seen = (seen_version, seen_state);
+        super::wait_for_change(
+            &self.changed,
+            id,
+            seen,
+            timeout,
+            Some(FALLBACK_POLL),
+            || self.get(id),
+        )
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
