@@ -19,7 +19,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
 const WARMUP: usize = 500;
-const SAMPLES: usize = 5000;
+/// Samples per kind, taken in interleaved rounds so drift on a shared machine hits every
+/// kind alike.
+const SAMPLES: usize = 6000;
+const ROUNDS: usize = 12;
 
 const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
 const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
@@ -68,10 +71,11 @@ fn stats(mut samples: Vec<Duration>) -> Stats {
 async fn measure(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
     url: &str,
+    count: usize,
     key: impl Fn(usize) -> Option<String>,
-) -> Stats {
-    let mut samples = Vec::with_capacity(SAMPLES);
-    for i in 0..WARMUP + SAMPLES {
+) -> Vec<Duration> {
+    let mut samples = Vec::with_capacity(count);
+    for i in 0..count {
         let mut request = Request::post(url)
             .header("authorization", "Bearer sk-bench")
             .header("content-type", "application/json");
@@ -85,13 +89,10 @@ async fn measure(
         let response = client.request(request).await.unwrap();
         assert_eq!(response.status(), 200);
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        let elapsed = started.elapsed();
+        samples.push(started.elapsed());
         assert_eq!(body.len(), ANSWER.len());
-        if i >= WARMUP {
-            samples.push(elapsed);
-        }
     }
-    stats(samples)
+    samples
 }
 
 fn main() {
@@ -113,13 +114,25 @@ fn main() {
         let direct_url = format!("{upstream}/v1/chat/completions");
         let client = Client::builder(TokioExecutor::new()).build_http();
 
-        let direct = measure(&client, &direct_url, |_| None).await;
-        let new_job = measure(&client, &gateway, |i| Some(format!("bench-new-{i}"))).await;
-        let _ = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
-        let replay = measure(&client, &gateway, |_| Some("bench-replay".into())).await;
+        let new_keys = std::sync::atomic::AtomicUsize::new(0);
+        let next_key = |_| {
+            let n = new_keys.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(format!("bench-new-{n}"))
+        };
+        let replay_key = |_| Some("bench-replay".to_owned());
+        let _ = measure(&client, &direct_url, WARMUP, |_| None).await;
+        let _ = measure(&client, &gateway, WARMUP, next_key).await;
+        let _ = measure(&client, &gateway, WARMUP, replay_key).await;
+        let (mut direct, mut new_job, mut replay) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            direct.extend(measure(&client, &direct_url, SAMPLES / ROUNDS, |_| None).await);
+            new_job.extend(measure(&client, &gateway, SAMPLES / ROUNDS, next_key).await);
+            replay.extend(measure(&client, &gateway, SAMPLES / ROUNDS, replay_key).await);
+        }
+        let (direct, new_job, replay) = (stats(direct), stats(new_job), stats(replay));
 
         println!(
-            "latency over {SAMPLES} sequential requests (after {WARMUP} warm-up), memory store"
+            "latency over {SAMPLES} sequential requests per kind in {ROUNDS} interleaved rounds, memory store"
         );
         println!(
             "{:<10} {:>10} {:>10} {:>10} {:>12}",
