@@ -11,15 +11,19 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+use hyper::body::Incoming;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
 
+use crate::config::Provider;
 use crate::config::Route;
 use crate::gateway::Gateway;
 use crate::job::{Effect, Failure, JobId, StoredResponse, Transition};
 use crate::store::{Applied, StoreError};
-use crate::upstream::{CallError, ClientRequest};
+use crate::stream::{LiveStream, Recording};
+use crate::upstream::{kept_headers, next_data, read_body, CallError, ClientRequest, Read};
 
 /// The job a round works for, and the version the round read when it opened.
 #[derive(Clone, Debug)]
@@ -49,6 +53,8 @@ pub(crate) enum RoundEnd {
     },
     /// No attempt is running and at least one timed out.
     Unknown,
+    /// An attempt of this round holds the result slot and is relaying a stream.
+    Streaming(LiveStream),
     Store(StoreError),
 }
 
@@ -68,7 +74,45 @@ enum Outcome {
 #[derive(Debug)]
 enum Event {
     FirstByte(u32),
+    /// The attempt holds the result slot and is relaying a stream.
+    Streaming(LiveStream),
     Done(u32, Done),
+}
+
+/// An answer as read from the provider.
+enum Answer {
+    Whole(http::response::Parts, Bytes),
+    /// A stream, or a body too large to store: the chunks read so far and the rest.
+    Stream(http::response::Parts, Vec<Bytes>, Incoming),
+}
+
+fn is_event_stream(head: &http::response::Parts) -> bool {
+    head.status.is_success()
+        && head
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.trim_start()
+                    .to_ascii_lowercase()
+                    .starts_with("text/event-stream")
+            })
+}
+
+/// Renews a streaming job's lease until aborted.
+async fn keep_leased(gw: Arc<Gateway>, id: JobId, version: u64) {
+    let lease = gw.config.idempotency.lease;
+    let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+    loop {
+        tick.tick().await;
+        let until = SystemTime::now() + lease;
+        if let Err(e) = gw
+            .apply(&id, Transition::RenewLease { version, until })
+            .await
+        {
+            warn!(job_id = %id, error = %e, "could not renew a streaming job's lease");
+        }
+    }
 }
 
 /// An attempt's report to its round, after it settled itself in the store.
@@ -146,6 +190,7 @@ pub(crate) async fn run_round(
                         live.first_byte = true;
                     }
                 }
+                Event::Streaming(stream) => return RoundEnd::Streaming(stream),
                 Event::Done(n, done) => {
                     if let Some(end) = round.on_done(n, done) {
                         return end;
@@ -231,6 +276,7 @@ impl Round {
             gw: self.gw.clone(),
             route: self.route.clone(),
             job_id: self.job.as_ref().map(|j| j.id.clone()),
+            version: self.job.as_ref().map_or(0, |j| j.version),
             n,
             provider_index: index,
             request: self.request.clone(),
@@ -405,6 +451,8 @@ struct AttemptTask {
     gw: Arc<Gateway>,
     route: Arc<Route>,
     job_id: Option<JobId>,
+    /// The job version the round read (0 for keyless rounds).
+    version: u64,
     n: u32,
     provider_index: usize,
     request: Arc<ClientRequest>,
@@ -417,12 +465,31 @@ impl AttemptTask {
         let request = self.request.for_provider(&provider, self.job_id.as_deref());
         let events = self.events.clone();
         let n = self.n;
-        let call = self
-            .gw
-            .upstream
-            .exchange(self.provider_index, request, move || {
+        let limit = self.gw.config.server.max_stored_response_bytes;
+        let upstream = self.gw.upstream.clone();
+        let index = self.provider_index;
+        let exchange = async move {
+            let response = upstream.send(index, request).await?;
+            let (head, mut body) = response.into_parts();
+            let first_byte = move || {
                 let _ = events.send(Event::FirstByte(n));
-            });
+            };
+            if is_event_stream(&head) {
+                // Relayed as it arrives; its first byte is where it claims the result slot.
+                return Ok(match next_data(&mut body).await? {
+                    Some(first) => {
+                        first_byte();
+                        Answer::Stream(head, vec![first], body)
+                    }
+                    None => Answer::Whole(head, Bytes::new()),
+                });
+            }
+            Ok(match read_body(&mut body, limit, first_byte).await? {
+                Read::Whole(bytes) => Answer::Whole(head, bytes),
+                // Too large to store: relayed like a stream, and kept without its body.
+                Read::Over(prefix) => Answer::Stream(head, prefix, body),
+            })
+        };
         // A job's call is kept alive for its late answer; a keyless call has nobody to
         // settle for once its round gave up.
         let patience = if self.job_id.is_some() {
@@ -434,14 +501,116 @@ impl AttemptTask {
         } else {
             provider.timeout
         };
-        let outcome = match tokio::time::timeout(patience, call).await {
+        let outcome = match tokio::time::timeout(patience, exchange).await {
             Err(_) => Outcome::Unknown("no answer within late_result_window".into()),
-            Ok(Ok(response)) => self.classify_answer(response),
+            Ok(Ok(Answer::Whole(head, body))) => self.classify_answer(StoredResponse {
+                status: head.status.as_u16(),
+                headers: kept_headers(head.headers),
+                body,
+                body_omitted: false,
+            }),
+            Ok(Ok(Answer::Stream(head, prefix, body))) => {
+                return self.relay(&provider, head, prefix, body).await;
+            }
             Ok(Err(error)) => self.classify_error(error),
         };
         let done = self.settle(outcome).await;
         // The round may have ended already (after a timeout): then nobody listens.
         let _ = self.events.send(Event::Done(self.n, done));
+    }
+
+    /// Relays a streamed answer: claims the result slot by compare-and-swap before the
+    /// first byte leaves, records every chunk for duplicates and for the store, and settles
+    /// the job when the stream ends — `succeeded` with the recording, or `failed` at a cut.
+    async fn relay(
+        &self,
+        provider: &Provider,
+        head: http::response::Parts,
+        prefix: Vec<Bytes>,
+        mut body: Incoming,
+    ) {
+        let n = self.n;
+        if let Some(id) = &self.job_id {
+            let done = match self.gw.apply(id, Transition::BeginStream { n }).await {
+                Ok(Applied {
+                    outcome: Ok(Effect::Won),
+                    ..
+                }) => None,
+                Ok(Applied {
+                    outcome: Ok(Effect::LostRace { completed_by }),
+                    ..
+                }) => {
+                    warn!(job_id = %id, attempt = n, winner = ?completed_by,
+                        "streaming attempt lost the race; not a byte of it is relayed");
+                    Some(Done::Lost)
+                }
+                Ok(_) => Some(Done::Lost),
+                Err(e) => Some(Done::Store(e)),
+            };
+            if let Some(done) = done {
+                let _ = self.events.send(Event::Done(n, done));
+                return;
+            }
+        }
+        let mut headers = head.headers;
+        headers.remove(http::header::CONTENT_LENGTH);
+        let live = LiveStream {
+            status: head.status.as_u16(),
+            headers: kept_headers(headers),
+            n,
+            provider: provider.name.clone(),
+            recording: Recording::new(self.gw.config.server.max_stored_response_bytes),
+        };
+        for chunk in prefix {
+            live.recording.push(chunk);
+        }
+        if let Some(id) = &self.job_id {
+            self.gw.streams.insert(id, live.clone());
+        }
+        let _ = self.events.send(Event::Streaming(live.clone()));
+        // The job stays in progress while it streams: keep its lease alive.
+        let renew = self.job_id.clone().map(|id| {
+            let gw = self.gw.clone();
+            tokio::spawn(keep_leased(gw, id, self.version))
+        });
+        let end = loop {
+            match tokio::time::timeout(provider.stream_idle_timeout, next_data(&mut body)).await {
+                Err(_) => {
+                    break Err(format!(
+                        "the stream was silent for longer than {:?}",
+                        provider.stream_idle_timeout
+                    ))
+                }
+                Ok(Err(e)) => break Err(e.to_string()),
+                Ok(Ok(None)) => break Ok(()),
+                Ok(Ok(Some(chunk))) => {
+                    live.recording.push(chunk);
+                    live.recording.wait_for_room().await;
+                }
+            }
+        };
+        live.recording.finish(end.clone());
+        if let Some(renew) = renew {
+            renew.abort();
+        }
+        let Some(id) = &self.job_id else { return };
+        let transition = match &end {
+            Ok(()) => Transition::EndStream {
+                n,
+                response: live.stored(),
+            },
+            Err(reason) => {
+                warn!(job_id = %id, attempt = n, reason = %reason, "stream cut; the job is failed and may be retried");
+                Transition::CutStream {
+                    n,
+                    error: reason.clone(),
+                }
+            }
+        };
+        if let Err(e) = self.gw.apply(id, transition).await {
+            warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse");
+        }
+        self.gw.streams.remove(id);
     }
 
     fn classify_answer(&self, response: StoredResponse) -> Outcome {

@@ -28,6 +28,8 @@ pub enum ProblemKind {
     AlreadySettled,
     /// The request could not be read at all (e.g. the client's body broke off).
     BadRequest,
+    /// The job succeeded with an answer too large to keep for replay.
+    ResponseNotStored,
 }
 
 impl ProblemKind {
@@ -47,6 +49,7 @@ impl ProblemKind {
             Self::NotFound => "not-found",
             Self::AlreadySettled => "job-settled",
             Self::BadRequest => "bad-request",
+            Self::ResponseNotStored => "response-not-stored",
         }
     }
 
@@ -60,7 +63,8 @@ impl ProblemKind {
             Self::IdempotencyKeyReused
             | Self::RequestInProgress
             | Self::OutcomeUnknown
-            | Self::AlreadySettled => StatusCode::CONFLICT,
+            | Self::AlreadySettled
+            | Self::ResponseNotStored => StatusCode::CONFLICT,
             Self::AttemptTimedOut => StatusCode::GATEWAY_TIMEOUT,
             Self::AllProvidersFailed => StatusCode::BAD_GATEWAY,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -84,6 +88,7 @@ impl ProblemKind {
             Self::NotFound => "Not found",
             Self::AlreadySettled => "Job already settled",
             Self::BadRequest => "Bad request",
+            Self::ResponseNotStored => "Response not stored",
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::job::{
     new_job_id, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
 use crate::store::{Applied, Claim, JobStore, StoreError};
+use crate::stream::{LiveStream, LiveStreams};
 use crate::upstream::{provider_uri, CallError, ClientRequest, Upstream};
 
 /// Everything a request needs: config, store, upstream clients.
@@ -32,6 +33,8 @@ pub struct Gateway {
     /// Rounds this process is running, by job id, with the version each read: on shutdown
     /// the ones still running are marked `unknown`, never left `in_progress`.
     rounds: Mutex<HashMap<JobId, u64>>,
+    /// Streams this process is relaying, for duplicates to join.
+    pub(crate) streams: LiveStreams,
 }
 
 /// How long a client should wait before asking again about a job in flight.
@@ -44,6 +47,7 @@ impl Gateway {
             config,
             store,
             rounds: Mutex::new(HashMap::new()),
+            streams: LiveStreams::default(),
         })
     }
 
@@ -238,24 +242,23 @@ impl Gateway {
         *request.method_mut() = parts.method.clone();
         *request.uri_mut() = provider_uri(provider, &path_and_query(&parts));
         *request.headers_mut() = headers;
-        let response =
-            tokio::time::timeout(provider.timeout, self.upstream.forward(index, request))
-                .await
-                .map_err(|_| {
-                    Problem::new(
-                        ProblemKind::AttemptTimedOut,
-                        format!(
-                            "provider {:?} did not answer within {:?}",
-                            provider.name, provider.timeout
-                        ),
-                    )
-                })?
-                .map_err(|e: CallError| {
-                    Problem::new(
-                        ProblemKind::AllProvidersFailed,
-                        format!("provider {:?}: {e}", provider.name),
-                    )
-                })?;
+        let response = tokio::time::timeout(provider.timeout, self.upstream.send(index, request))
+            .await
+            .map_err(|_| {
+                Problem::new(
+                    ProblemKind::AttemptTimedOut,
+                    format!(
+                        "provider {:?} did not answer within {:?}",
+                        provider.name, provider.timeout
+                    ),
+                )
+            })?
+            .map_err(|e: CallError| {
+                Problem::new(
+                    ProblemKind::AllProvidersFailed,
+                    format!("provider {:?}: {e}", provider.name),
+                )
+            })?;
         let (mut head, incoming) = response.into_parts();
         headers::strip_hop_by_hop(&mut head.headers);
         Ok(Response::from_parts(head, body::boxed(incoming)))
@@ -294,6 +297,10 @@ impl Gateway {
                     record = applied.record;
                 }
                 Found::InFlight => {
+                    if let Some(live) = self.streams.joinable(&id) {
+                        // A duplicate of a live stream gets what was recorded, then follows.
+                        return Ok(relay(Some(&id), &live, false));
+                    }
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                     if left.is_zero() {
                         return Err(Problem::new(
@@ -391,6 +398,7 @@ impl Gateway {
             RoundEnd::Won { response, n, provider } => {
                 return answer(job_id, &response, Some((n, &provider)), false);
             }
+            RoundEnd::Streaming(live) => return relay(job_id, &live, true),
             RoundEnd::Failed { last: Some((response, n, provider)) } => {
                 return answer(job_id, &response, Some((n, &provider)), false);
             }
@@ -559,6 +567,20 @@ async fn drain(mut body: Body) {
     .await;
 }
 
+/// A live stream as an HTTP response: the client that runs the job (`primary`) or a
+/// duplicate that joins it, from its first byte.
+fn relay(job_id: Option<&str>, live: &LiveStream, primary: bool) -> Response<Body> {
+    let head = StoredResponse {
+        status: live.status,
+        headers: live.headers.clone(),
+        body: Bytes::new(),
+        body_omitted: false,
+    };
+    let mut response = answer(job_id, &head, Some((live.n, &live.provider)), !primary);
+    *response.body_mut() = live.recording.body(primary);
+    response
+}
+
 fn replay(record: &JobRecord) -> Response<Body> {
     let job = &record.job;
     let Some(response) = &job.response else {
@@ -573,6 +595,14 @@ fn replay(record: &JobRecord) -> Response<Body> {
         .completed_by
         .and_then(|n| record.attempt(n))
         .map(|a| (a.n, a.provider.as_str()));
+    if response.body_omitted {
+        return Problem::new(
+            ProblemKind::ResponseNotStored,
+            "the answer was larger than max_stored_response_bytes: it reached the request that ran the job but is not kept for replay; the job will not run again",
+        )
+        .job(job.id.clone())
+        .into_response();
+    }
     answer(Some(&job.id), response, winner, true)
 }
 

@@ -109,6 +109,10 @@ pub struct StoredResponse {
     /// Header names (lower case) and raw values, in the order the provider sent them.
     pub headers: Vec<(String, Bytes)>,
     pub body: Bytes,
+    /// The answer was larger than `max_stored_response_bytes`: it reached the client that
+    /// ran the job, but its body is not kept, so it cannot be replayed.
+    #[serde(default)]
+    pub body_omitted: bool,
 }
 
 /// The durable record of one intent.
@@ -236,6 +240,22 @@ pub enum Transition {
     /// A newcomer found the job `in_progress` with its lease lapsed.
     ExpireLease {
         version: u64,
+    },
+    /// Attempt `n` has the first byte of a streamed answer: it claims the result slot by the
+    /// same compare-and-swap as [`Transition::Complete`] before relaying anything, so two
+    /// streams are never interleaved. The job stays unsettled until the stream ends.
+    BeginStream {
+        n: u32,
+    },
+    /// The stream of attempt `n` ended cleanly: its recording settles the job.
+    EndStream {
+        n: u32,
+        response: StoredResponse,
+    },
+    /// The stream of attempt `n` broke off: the job is `failed`, so a retry may run again.
+    CutStream {
+        n: u32,
+        error: String,
     },
 }
 
@@ -406,12 +426,17 @@ impl JobRecord {
                 self.job.version += 1;
                 Ok(Effect::Applied)
             }
+            Transition::BeginStream { n } => self.begin_stream(n, now),
+            Transition::EndStream { n, response } => self.end_stream(n, Ok(response), now),
+            Transition::CutStream { n, error } => self.end_stream(n, Err(error), now),
             Transition::Cancel => {
                 if self.job.state.is_settled() {
                     return Err(Rejection::AlreadySettled(self.job.state));
                 }
                 self.job.state = JobState::Cancelled;
                 self.job.version += 1;
+                // A stream that held the result slot loses it with the cancel.
+                self.job.completed_by = None;
                 for attempt in &mut self.attempts {
                     if attempt.state.is_live() {
                         attempt.state = AttemptState::Cancelled;
@@ -489,6 +514,69 @@ impl JobRecord {
         self.job.version += 1;
         self.job.response = Some(response);
         Ok(Effect::Won)
+    }
+
+    /// The compare-and-swap of [`Self::complete`], taken at a stream's first byte: the slot
+    /// is claimed (`completed_by`) but the job settles only when the stream ends.
+    fn begin_stream(&mut self, n: u32, now: SystemTime) -> Result<Effect, Rejection> {
+        let job = &self.job;
+        let attempt = self
+            .attempts
+            .iter()
+            .find(|a| a.n == n)
+            .ok_or(Rejection::NoSuchAttempt(n))?;
+        if job.completed_by == Some(n) && attempt.state.is_live() {
+            return Ok(Effect::Won);
+        }
+        if !attempt.state.is_live() {
+            return Ok(Effect::Discarded);
+        }
+        let wins = job.version == attempt.read_version
+            && job.completed_by.is_none()
+            && matches!(job.state, JobState::InProgress | JobState::Unknown);
+        if !wins {
+            let completed_by = job.completed_by;
+            let attempt = self.attempt_mut(n)?;
+            attempt.state = AttemptState::LostRace;
+            attempt.finished_at = Some(now);
+            return Ok(Effect::LostRace { completed_by });
+        }
+        self.job.completed_by = Some(n);
+        Ok(Effect::Won)
+    }
+
+    fn end_stream(
+        &mut self,
+        n: u32,
+        result: Result<StoredResponse, String>,
+        now: SystemTime,
+    ) -> Result<Effect, Rejection> {
+        let holds_slot = self.job.completed_by == Some(n)
+            && matches!(self.job.state, JobState::InProgress | JobState::Unknown);
+        let attempt = self.attempt_mut(n)?;
+        if !holds_slot || !attempt.state.is_live() {
+            // Cancelled while it streamed: the recording is dropped.
+            return Ok(Effect::Discarded);
+        }
+        attempt.finished_at = Some(now);
+        match result {
+            Ok(response) => {
+                attempt.state = AttemptState::Succeeded;
+                attempt.upstream_status = Some(response.status);
+                self.job.state = JobState::Succeeded;
+                self.job.response = Some(response);
+                self.job.version += 1;
+                Ok(Effect::Won)
+            }
+            Err(error) => {
+                attempt.state = AttemptState::Failed;
+                attempt.error = Some(error);
+                self.job.state = JobState::Failed;
+                self.job.completed_by = None;
+                self.job.version += 1;
+                Ok(Effect::AttemptFailed { job_failed: true })
+            }
+        }
     }
 
     fn fail_attempt(
@@ -581,6 +669,7 @@ mod tests {
                 Bytes::from_static(b"application/json"),
             )],
             body: Bytes::from_static(body.as_bytes()),
+            body_omitted: false,
         }
     }
 
@@ -998,6 +1087,92 @@ mod tests {
         assert_eq!(complete(&mut r, a, "y"), Ok(Effect::Won));
         assert_eq!(r.job.version, 2);
         assert_eq!(r.job.response.as_ref().unwrap().body, "x");
+    }
+
+    fn stream(r: &mut JobRecord, transition: Transition) -> Result<Effect, Rejection> {
+        r.apply(transition, t(5), &POLICY)
+    }
+
+    #[test]
+    fn a_stream_claims_the_slot_at_its_first_byte_and_settles_at_its_end() {
+        let mut r = record();
+        let a = start(&mut r, "primary");
+        let b = start(&mut r, "fallback");
+        assert_eq!(
+            stream(&mut r, Transition::BeginStream { n: b }),
+            Ok(Effect::Won)
+        );
+        assert_eq!(
+            (r.job.state, r.job.version, r.job.completed_by),
+            (JobState::InProgress, 1, Some(b))
+        );
+        // The other attempt can neither stream nor complete now.
+        assert_eq!(
+            stream(&mut r, Transition::BeginStream { n: a }),
+            Ok(Effect::LostRace {
+                completed_by: Some(b)
+            })
+        );
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::LostRace);
+        let done = Transition::EndStream {
+            n: b,
+            response: answer(200, "data: x"),
+        };
+        assert_eq!(stream(&mut r, done), Ok(Effect::Won));
+        assert_eq!((r.job.state, r.job.version), (JobState::Succeeded, 2));
+        assert_eq!(r.job.response.as_ref().unwrap().body, "data: x");
+        assert_eq!(r.attempt(b).unwrap().state, AttemptState::Succeeded);
+    }
+
+    #[test]
+    fn a_buffered_answer_loses_to_a_live_stream() {
+        let mut r = record();
+        let a = start(&mut r, "primary");
+        let b = start(&mut r, "fallback");
+        stream(&mut r, Transition::BeginStream { n: a }).unwrap();
+        assert_eq!(
+            complete(&mut r, b, "late"),
+            Ok(Effect::LostRace {
+                completed_by: Some(a)
+            })
+        );
+    }
+
+    #[test]
+    fn a_cut_stream_fails_the_job_and_frees_the_slot() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        stream(&mut r, Transition::BeginStream { n: a }).unwrap();
+        let cut = Transition::CutStream {
+            n: a,
+            error: "reset".into(),
+        };
+        assert_eq!(
+            stream(&mut r, cut),
+            Ok(Effect::AttemptFailed { job_failed: true })
+        );
+        assert_eq!(
+            (r.job.state, r.job.version, r.job.completed_by),
+            (JobState::Failed, 2, None)
+        );
+        assert_eq!(r.attempt(a).unwrap().state, AttemptState::Failed);
+        assert_eq!(r.classify("fp", t(6)), Found::Reopenable { version: 2 });
+    }
+
+    #[test]
+    fn a_cancel_drops_a_live_stream() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        stream(&mut r, Transition::BeginStream { n: a }).unwrap();
+        r.apply(Transition::Cancel, t(6), &POLICY).unwrap();
+        assert_eq!(r.job.completed_by, None);
+        let done = Transition::EndStream {
+            n: a,
+            response: answer(200, "x"),
+        };
+        assert_eq!(stream(&mut r, done), Ok(Effect::Discarded));
+        assert!(r.job.response.is_none());
+        assert_eq!(r.job.state, JobState::Cancelled);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`gateway`]: the request path: route, claim, replay, wait, re-open.
 //! - `attempts`: one round of attempts: failover, timeout → unknown, hedging, late answers.
 //! - [`upstream`]: provider clients and how a client request is rewritten for a provider.
+//! - [`stream`]: live streams: relay, record, and let duplicates join (SPEC §5).
 //! - [`contract`]: what a 2xx must hold before it may settle a job (SPEC §6).
 //! - [`admin`]: health, readiness, job inspection and cancel (SPEC §8).
 //! - [`error`]: every gateway error as `application/problem+json` (SPEC §7).
@@ -40,6 +41,7 @@ pub mod intent;
 pub mod job;
 mod server;
 pub mod store;
+pub mod stream;
 pub mod upstream;
 
 pub use config::Config;

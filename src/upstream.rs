@@ -17,7 +17,6 @@ use hyper_util::rt::TokioExecutor;
 use crate::body::{self, Body};
 use crate::config::Provider;
 use crate::headers;
-use crate::job::StoredResponse;
 
 type HttpsClient = Client<HttpsConnector<HttpConnector>, Body>;
 
@@ -50,53 +49,73 @@ impl Upstream {
         Self { clients }
     }
 
-    /// Sends `request` to provider `index` and reads the whole answer, calling
-    /// `on_first_byte` when the first body byte arrives (hedging counts from there).
-    pub async fn exchange(
-        &self,
-        index: usize,
-        request: Request<Body>,
-        on_first_byte: impl FnOnce(),
-    ) -> Result<StoredResponse, CallError> {
-        let response = self.clients[index]
-            .request(request)
-            .await
-            .map_err(classify)?;
-        let (parts, mut incoming) = response.into_parts();
-        let mut buf = BytesMut::new();
-        let mut on_first_byte = Some(on_first_byte);
-        while let Some(frame) = incoming.frame().await {
-            let frame = frame.map_err(|e| CallError::Broken(chain(&e)))?;
-            if let Ok(data) = frame.into_data() {
-                if !data.is_empty() {
-                    if let Some(f) = on_first_byte.take() {
-                        f();
-                    }
-                    buf.extend_from_slice(&data);
-                }
-            }
-        }
-        let mut headers = parts.headers;
-        headers::strip_hop_by_hop(&mut headers);
-        Ok(StoredResponse {
-            status: parts.status.as_u16(),
-            headers: headers
-                .iter()
-                .map(|(k, v)| (k.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
-                .collect(),
-            body: buf.freeze(),
-        })
-    }
-
-    /// Pass-through: sends `request` and hands back the response head with its body still
-    /// streaming.
-    pub async fn forward(
+    /// Sends `request` to provider `index`; the answer's body is still to be read.
+    pub async fn send(
         &self,
         index: usize,
         request: Request<Body>,
     ) -> Result<Response<Incoming>, CallError> {
         self.clients[index].request(request).await.map_err(classify)
     }
+}
+
+/// How much of an answer's body was read.
+#[derive(Debug)]
+pub enum Read {
+    /// All of it.
+    Whole(Bytes),
+    /// More than the limit: what was read so far, in chunks; the rest is still in the body.
+    Over(Vec<Bytes>),
+}
+
+/// Reads a body up to `limit` bytes, calling `on_first_byte` when its first byte arrives
+/// (hedging counts silence until then).
+pub async fn read_body(
+    body: &mut Incoming,
+    limit: usize,
+    on_first_byte: impl FnOnce(),
+) -> Result<Read, CallError> {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0;
+    let mut on_first_byte = Some(on_first_byte);
+    while let Some(data) = next_data(body).await? {
+        if let Some(f) = on_first_byte.take() {
+            f();
+        }
+        len += data.len();
+        chunks.push(data);
+        if len > limit {
+            return Ok(Read::Over(chunks));
+        }
+    }
+    let mut whole = BytesMut::with_capacity(len);
+    for chunk in chunks {
+        whole.extend_from_slice(&chunk);
+    }
+    Ok(Read::Whole(whole.freeze()))
+}
+
+/// The next non-empty data chunk of a body, `None` at its end. A body that breaks off after
+/// the response started is [`CallError::Broken`]: the provider did (some of) the work.
+pub async fn next_data(body: &mut Incoming) -> Result<Option<Bytes>, CallError> {
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| CallError::Broken(chain(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            if !data.is_empty() {
+                return Ok(Some(data));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// An answer's headers as kept: hop-by-hop ones dropped.
+pub fn kept_headers(mut headers: HeaderMap) -> Vec<(String, Bytes)> {
+    headers::strip_hop_by_hop(&mut headers);
+    headers
+        .iter()
+        .map(|(k, v)| (k.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
+        .collect()
 }
 
 fn client_for(provider: &Provider) -> HttpsClient {

@@ -45,6 +45,7 @@ pub fn answer(body: &'static str) -> StoredResponse {
             ("x-request-id".into(), Bytes::from_static(b"req_1")),
         ],
         body: Bytes::from_static(body.as_bytes()),
+        body_omitted: false,
     }
 }
 

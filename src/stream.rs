@@ -1,0 +1,302 @@
+//! Live streams (SPEC §5): the recording of a streamed answer while it is relayed, which the
+//! client that runs the job reads as it grows and which duplicates join from its start.
+//!
+//! The recording is kept whole up to `max_stored_response_bytes`, because it is what gets
+//! stored and replayed; memory per stream is bounded by that limit. Past it the recording
+//! *overflows*: bytes are released as soon as the client running the job has read them,
+//! the upstream read waits whenever that client is more than [`WINDOW`] chunks behind (so a
+//! slow client slows the provider instead of growing memory), duplicates can no longer
+//! join, and the job settles with its body omitted.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use tokio::sync::Notify;
+
+use crate::body::{Body, BoxError};
+use crate::job::{JobId, StoredResponse};
+
+/// How many unread chunks an overflowed recording holds before the upstream read waits.
+pub const WINDOW: usize = 64;
+
+/// A streamed answer being relayed: its head, and its recording.
+#[derive(Clone, Debug)]
+pub struct LiveStream {
+    pub status: u16,
+    /// The provider's headers, hop-by-hop and `Content-Length` removed.
+    pub headers: Vec<(String, Bytes)>,
+    pub n: u32,
+    pub provider: String,
+    pub recording: Arc<Recording>,
+}
+
+impl LiveStream {
+    /// What is stored when the stream ended cleanly.
+    pub fn stored(&self) -> StoredResponse {
+        let (body, body_omitted) = self.recording.recorded();
+        StoredResponse {
+            status: self.status,
+            headers: self.headers.clone(),
+            body,
+            body_omitted,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Recording {
+    state: Mutex<State>,
+    changed: Notify,
+    limit: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    chunks: Vec<Bytes>,
+    bytes: usize,
+    /// `Some` once the stream ended: cleanly, or cut with a reason.
+    end: Option<Result<(), String>>,
+    overflowed: bool,
+    /// Chunks the client running the job has read.
+    primary_read: usize,
+    /// That client hung up: nobody to wait for any more.
+    primary_gone: bool,
+}
+
+impl Recording {
+    pub fn new(limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+            limit,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn push(&self, chunk: Bytes) {
+        let mut state = self.lock();
+        state.bytes += chunk.len();
+        state.chunks.push(chunk);
+        if state.bytes > self.limit && !state.overflowed {
+            state.overflowed = true;
+            let read = state.primary_read;
+            for released in &mut state.chunks[..read] {
+                *released = Bytes::new();
+            }
+        }
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
+    /// Waits while an overflowed recording holds more than [`WINDOW`] chunks its client
+    /// has not read: backpressure toward the provider.
+    pub async fn wait_for_room(&self) {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let state = self.lock();
+                if !state.overflowed
+                    || state.primary_gone
+                    || state.chunks.len() - state.primary_read <= WINDOW
+                {
+                    return;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    pub fn finish(&self, end: Result<(), String>) {
+        self.lock().end = Some(end);
+        self.changed.notify_waiters();
+    }
+
+    /// Whether a duplicate can still join from the first byte.
+    pub fn joinable(&self) -> bool {
+        !self.lock().overflowed
+    }
+
+    /// The whole recording, or an empty body flagged omitted when it overflowed.
+    fn recorded(&self) -> (Bytes, bool) {
+        let state = self.lock();
+        if state.overflowed {
+            return (Bytes::new(), true);
+        }
+        let mut body = BytesMut::with_capacity(state.bytes);
+        for chunk in &state.chunks {
+            body.extend_from_slice(chunk);
+        }
+        (body.freeze(), false)
+    }
+
+    /// The next chunk after `index`, waiting for it; `None` at a clean end, an error at a cut
+    /// (so the client's response ends abnormally, never as a complete-looking answer).
+    async fn next(&self, index: usize, primary: bool) -> Option<Result<Bytes, BoxError>> {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut state = self.lock();
+                if !primary && state.overflowed {
+                    return Some(Err("the stream outgrew max_stored_response_bytes".into()));
+                }
+                if index < state.chunks.len() {
+                    let chunk = state.chunks[index].clone();
+                    if primary {
+                        state.primary_read = index + 1;
+                        if state.overflowed {
+                            state.chunks[index] = Bytes::new();
+                        }
+                        drop(state);
+                        self.changed.notify_waiters();
+                    }
+                    return Some(Ok(chunk));
+                }
+                match &state.end {
+                    Some(Ok(())) => return None,
+                    Some(Err(reason)) => return Some(Err(reason.clone().into())),
+                    None => {}
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// A response body that relays the recording from its start. `primary` is the client
+    /// running the job, whose pace the upstream read follows once the recording overflows.
+    pub fn body(self: &Arc<Self>, primary: bool) -> Body {
+        let guard = primary.then(|| PrimaryGuard(self.clone()));
+        let chunks = futures_util::stream::unfold(
+            (self.clone(), 0usize, guard, false),
+            |(recording, index, guard, ended)| async move {
+                if ended {
+                    return None;
+                }
+                match recording.next(index, guard.is_some()).await {
+                    None => None,
+                    Some(Ok(chunk)) => {
+                        Some((Ok(Frame::data(chunk)), (recording, index + 1, guard, false)))
+                    }
+                    Some(Err(e)) => Some((Err(e), (recording, index, guard, true))),
+                }
+            },
+        );
+        StreamBody::new(chunks).boxed()
+    }
+}
+
+/// Marks the primary client gone when its body is dropped, so an overflowed stream stops
+/// waiting for it and drains to its end.
+struct PrimaryGuard(Arc<Recording>);
+
+impl Drop for PrimaryGuard {
+    fn drop(&mut self) {
+        self.0.lock().primary_gone = true;
+        self.0.changed.notify_waiters();
+    }
+}
+
+/// The streams this process is relaying, by job id, for duplicates to join.
+#[derive(Debug, Default)]
+pub struct LiveStreams(Mutex<HashMap<JobId, LiveStream>>);
+
+impl LiveStreams {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, LiveStream>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn insert(&self, id: &str, stream: LiveStream) {
+        self.lock().insert(id.to_owned(), stream);
+    }
+
+    pub fn remove(&self, id: &str) {
+        self.lock().remove(id);
+    }
+
+    /// The live stream of a job, if it is here and can still be joined from its start.
+    pub fn joinable(&self, id: &str) -> Option<LiveStream> {
+        self.lock()
+            .get(id)
+            .filter(|s| s.recording.joinable())
+            .cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn collect(body: Body) -> Result<Vec<Bytes>, BoxError> {
+        let mut body = body;
+        let mut chunks = Vec::new();
+        while let Some(frame) = body.frame().await {
+            chunks.push(frame?.into_data().unwrap());
+        }
+        Ok(chunks)
+    }
+
+    #[tokio::test]
+    async fn readers_get_every_chunk_in_order_and_a_clean_end() {
+        let rec = Recording::new(1024);
+        rec.push(Bytes::from_static(b"a"));
+        let early = tokio::spawn(collect(rec.body(true)));
+        rec.push(Bytes::from_static(b"b"));
+        let late = tokio::spawn(collect(rec.body(false)));
+        rec.push(Bytes::from_static(b"c"));
+        rec.finish(Ok(()));
+        assert_eq!(early.await.unwrap().unwrap(), vec!["a", "b", "c"]);
+        assert_eq!(late.await.unwrap().unwrap(), vec!["a", "b", "c"]);
+        assert_eq!(rec.recorded(), (Bytes::from_static(b"abc"), false));
+    }
+
+    #[tokio::test]
+    async fn a_cut_ends_every_reader_with_an_error() {
+        let rec = Recording::new(1024);
+        rec.push(Bytes::from_static(b"a"));
+        let reader = tokio::spawn(collect(rec.body(false)));
+        rec.finish(Err("reset".into()));
+        assert!(reader.await.unwrap().is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_overflowed_recording_waits_for_its_client_and_releases_what_it_read() {
+        let rec = Recording::new(4);
+        for _ in 0..WINDOW + 2 {
+            rec.push(Bytes::from_static(b"xx"));
+        }
+        assert!(!rec.joinable());
+        // The client has read nothing: the upstream read must wait.
+        let wait =
+            tokio::time::timeout(std::time::Duration::from_secs(1), rec.wait_for_room()).await;
+        assert!(wait.is_err(), "no room until the client reads");
+        let mut body = rec.body(true);
+        for _ in 0..3 {
+            body.frame().await.unwrap().unwrap();
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(1), rec.wait_for_room())
+            .await
+            .expect("room once the client caught up");
+        assert!(
+            rec.lock().chunks[..3].iter().all(Bytes::is_empty),
+            "read chunks are released"
+        );
+        assert_eq!(rec.recorded(), (Bytes::new(), true));
+        // A client that hangs up releases the upstream read.
+        drop(body);
+        for _ in 0..WINDOW * 2 {
+            rec.push(Bytes::from_static(b"xx"));
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(1), rec.wait_for_room())
+            .await
+            .expect("nobody to wait for");
+    }
+}
