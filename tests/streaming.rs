@@ -1,0 +1,360 @@
+//! Streaming answers (SPEC §5) against a provider whose every chunk the test releases by
+//! hand: relay as it arrives, replay the same bytes, duplicates joining a live stream, cuts
+//! and stalls that fail the job.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use http::{Method, Request};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+const CHAT: &str = "/v1/chat/completions";
+
+type Chunk = Result<Frame<Bytes>, std::io::Error>;
+
+/// A provider answering every request with `text/event-stream`, one chunk whenever the
+/// test sends it.
+struct StreamingProvider {
+    addr: SocketAddr,
+    calls: mpsc::UnboundedReceiver<mpsc::UnboundedSender<Chunk>>,
+    count: Arc<AtomicUsize>,
+}
+
+impl StreamingProvider {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, calls) = mpsc::unbounded_channel();
+        let count = Arc::new(AtomicUsize::new(0));
+        let counter = count.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let tx = tx.clone();
+                let counter = counter.clone();
+                let service = service_fn(move |request: Request<Incoming>| {
+                    let tx = tx.clone();
+                    let counter = counter.clone();
+                    async move {
+                        let _ = request.into_body().collect().await;
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        let (chunks, rx) = mpsc::unbounded_channel::<Chunk>();
+                        let _ = tx.send(chunks);
+                        let body = StreamBody::new(futures_util::stream::unfold(
+                            rx,
+                            |mut rx| async move { rx.recv().await.map(|chunk| (chunk, rx)) },
+                        ));
+                        let response = hyper::Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .header("x-request-id", "req_stream")
+                            .body(body)
+                            .unwrap();
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, calls, count }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn next_call(&mut self) -> mpsc::UnboundedSender<Chunk> {
+        bounded("a provider call", self.calls.recv()).await.unwrap()
+    }
+
+    fn calls(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+}
+
+/// The SSE fixture split into its events: the chunks a provider sends one by one.
+fn events() -> Vec<Bytes> {
+    let text = String::from_utf8(fixture("openai-chat-stream.sse").to_vec()).unwrap();
+    text.split_inclusive("\n\n")
+        .map(|e| Bytes::from(e.to_owned()))
+        .collect()
+}
+
+fn send_chunk(upstream: &mpsc::UnboundedSender<Chunk>, chunk: &Bytes) {
+    upstream.send(Ok(Frame::data(chunk.clone()))).unwrap();
+}
+
+/// A streamed response being read chunk by chunk.
+struct Reading {
+    headers: http::HeaderMap,
+    body: Incoming,
+}
+
+impl Reading {
+    async fn start(url: String, key: &str) -> Self {
+        let request = Request::post(url)
+            .header("authorization", "Bearer sk-client-1")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(
+                br#"{"model":"gpt-4o-mini","stream":true}"#,
+            )))
+            .unwrap();
+        let response = bounded("the response head", client().request(request))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let (parts, body) = response.into_parts();
+        Self {
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// Reads until `expected` bytes arrived (bounded), as one buffer.
+    async fn read_exactly(&mut self, expected: usize) -> Bytes {
+        let mut got = Vec::new();
+        while got.len() < expected {
+            let frame = bounded("a chunk", self.body.frame())
+                .await
+                .expect("the body goes on")
+                .unwrap();
+            got.extend_from_slice(&frame.into_data().unwrap());
+        }
+        Bytes::from(got)
+    }
+
+    /// Reads to the end: `Err` when the body ended abnormally.
+    async fn read_to_end(mut self) -> Result<Bytes, String> {
+        let mut got = Vec::new();
+        while let Some(frame) = bounded("the end of the body", self.body.frame()).await {
+            match frame {
+                Ok(frame) => got.extend_from_slice(&frame.into_data().unwrap_or_default()),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(Bytes::from(got))
+    }
+}
+
+fn config(provider: &str, extra_provider: &str) -> String {
+    format!(
+        "[store]\nkind = \"memory\"\n[[providers]]\nname = \"primary\"\nbase_url = \"{provider}\"\n{extra_provider}\n\
+         [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"primary\"]\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_stream_is_relayed_as_it_arrives_and_replayed_identically() {
+    let mut provider = StreamingProvider::start().await;
+    let gw = TestGateway::start(&config(&provider.url(), "")).await;
+    let events = events();
+    let client = tokio::spawn(Reading::start(format!("{}{CHAT}", gw.base), "k-slow"));
+    let upstream = provider.next_call().await;
+    send_chunk(&upstream, &events[0]);
+    let mut reading = client.await.unwrap();
+    assert_eq!(reading.headers["content-type"], "text/event-stream");
+    assert_eq!(reading.headers["idempotent-replayed"], "false");
+
+    // Five chunks 200 ms apart: each reaches the client before the next one is even sent.
+    let started = Instant::now();
+    let mut arrivals = Vec::new();
+    let mut received = reading.read_exactly(events[0].len()).await.to_vec();
+    arrivals.push(started.elapsed());
+    for event in &events[1..5] {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        send_chunk(&upstream, event);
+        received.extend_from_slice(&reading.read_exactly(event.len()).await);
+        arrivals.push(started.elapsed());
+    }
+    assert!(
+        arrivals[0] < Duration::from_millis(100),
+        "first chunk at {:?}",
+        arrivals[0]
+    );
+    assert!(
+        arrivals[4] >= Duration::from_millis(800),
+        "last chunk at {:?}",
+        arrivals[4]
+    );
+    for event in &events[5..] {
+        send_chunk(&upstream, event);
+    }
+    drop(upstream);
+    received.extend_from_slice(&reading.read_to_end().await.expect("a clean end"));
+    let whole: Vec<u8> = events.concat();
+    assert_eq!(received, whole);
+
+    let replay = gw
+        .request(
+            Method::POST,
+            CHAT,
+            &[
+                ("authorization", "Bearer sk-client-1"),
+                ("idempotency-key", "k-slow"),
+            ],
+            Bytes::from_static(br#"{"model":"gpt-4o-mini","stream":true}"#),
+        )
+        .await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(
+        replay.body,
+        Bytes::from(whole),
+        "the same bytes in the same order"
+    );
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("content-type"), Some("text/event-stream"));
+    assert_eq!(replay.header("x-request-id"), Some("req_stream"));
+    assert_eq!(provider.calls(), 1);
+    let view = gw.job(&replay.job_id()).await;
+    assert_eq!(view["job"]["state"], "succeeded");
+    assert_eq!(view["job"]["completed_by"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_joins_a_live_stream_from_its_start() {
+    let mut provider = StreamingProvider::start().await;
+    let gw = TestGateway::start(&config(&provider.url(), "")).await;
+    let events = events();
+    let first = tokio::spawn(Reading::start(format!("{}{CHAT}", gw.base), "k-join"));
+    let upstream = provider.next_call().await;
+    send_chunk(&upstream, &events[0]);
+    let mut first = first.await.unwrap();
+    send_chunk(&upstream, &events[1]);
+    first.read_exactly(events[0].len() + events[1].len()).await;
+
+    // The duplicate arrives after chunk 2: it gets chunks 1 and 2 at once, then follows live.
+    let mut duplicate = Reading::start(format!("{}{CHAT}", gw.base), "k-join").await;
+    assert_eq!(duplicate.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        duplicate.headers["x-idempotency-job-id"],
+        first.headers["x-idempotency-job-id"]
+    );
+    let so_far = duplicate
+        .read_exactly(events[0].len() + events[1].len())
+        .await;
+    assert_eq!(
+        so_far,
+        Bytes::from([events[0].clone(), events[1].clone()].concat())
+    );
+    send_chunk(&upstream, &events[2]);
+    assert_eq!(duplicate.read_exactly(events[2].len()).await, events[2]);
+    for event in &events[3..] {
+        send_chunk(&upstream, event);
+    }
+    drop(upstream);
+    let rest = duplicate.read_to_end().await.expect("a clean end");
+    assert_eq!(rest, Bytes::from(events[3..].concat()));
+    first.read_to_end().await.expect("a clean end");
+    assert_eq!(provider.calls(), 1, "one upstream call for both");
+}
+
+async fn cut_or_stall(stall: bool) {
+    let mut provider = StreamingProvider::start().await;
+    let gw = TestGateway::start(&config(&provider.url(), "stream_idle_timeout = \"300ms\"")).await;
+    let events = events();
+    let client = tokio::spawn(Reading::start(format!("{}{CHAT}", gw.base), "k-cut"));
+    let upstream = provider.next_call().await;
+    for event in &events[..3] {
+        send_chunk(&upstream, event);
+    }
+    let mut reading = client.await.unwrap();
+    let id = reading.headers["x-idempotency-job-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    reading
+        .read_exactly(events[..3].iter().map(Bytes::len).sum())
+        .await;
+    if !stall {
+        upstream
+            .send(Err(std::io::Error::other("connection reset")))
+            .unwrap();
+    }
+    let end = reading.read_to_end().await;
+    assert!(
+        end.is_err(),
+        "the client's body must end abnormally, not cleanly: {end:?}"
+    );
+    let view = gw
+        .job_eventually(&id, |v| v["job"]["state"] == "failed")
+        .await;
+    assert_eq!(view["attempts"][0]["state"], "failed");
+    assert_eq!(view["job"]["completed_by"], serde_json::Value::Null);
+    drop(upstream);
+
+    // A retry opens a new round: attempt 2.
+    let retry = tokio::spawn(Reading::start(format!("{}{CHAT}", gw.base), "k-cut"));
+    let upstream = provider.next_call().await;
+    for event in &events {
+        send_chunk(&upstream, event);
+    }
+    drop(upstream);
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.headers["x-idempotency-attempt"], "2");
+    assert_eq!(retry.headers["x-idempotency-job-id"].to_str().unwrap(), id);
+    assert_eq!(
+        retry.read_to_end().await.unwrap(),
+        Bytes::from(events.concat())
+    );
+    assert_eq!(provider.calls(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_after_chunk_three_fails_the_job_and_the_client_sees_it() {
+    cut_or_stall(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_longer_than_the_idle_timeout_is_a_cut() {
+    cut_or_stall(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_larger_than_the_store_limit_reaches_the_client_but_is_not_replayed() {
+    let primary = wiremock::MockServer::start().await;
+    let big = Bytes::from(vec![b'x'; 64 * 1024]);
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_bytes(big.clone()))
+        .mount(&primary)
+        .await;
+    // The harness owns [server], so this gateway with a small limit is started by hand.
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\nmax_stored_response_bytes = 1024\n{}",
+        config(&primary.uri(), "")
+    );
+    let running = idemgate::start(idemgate::Config::parse(&text, "t").unwrap())
+        .await
+        .unwrap();
+    let c = client();
+    let url = format!("http://{}{CHAT}", running.addr);
+    let headers = [
+        ("authorization", "Bearer sk-client-1"),
+        ("idempotency-key", "k-big"),
+    ];
+    let first = send(&c, Method::POST, &url, &headers, Bytes::from_static(b"{}")).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.body, big, "the whole answer reaches the client");
+    let again = send(&c, Method::POST, &url, &headers, Bytes::from_static(b"{}")).await;
+    again.assert_problem(409, "response-not-stored");
+    assert_eq!(again.job_id(), first.job_id());
+    assert_eq!(received(&primary).await, 1, "the job never runs twice");
+}
