@@ -21,7 +21,7 @@ use crate::config::Provider;
 use crate::config::Route;
 use crate::gateway::Gateway;
 use crate::job::{Effect, Failure, JobId, StoredResponse, Transition};
-use crate::store::{Applied, StoreError};
+use crate::store::{Applied, StoreError, StreamHead, StreamUpdate};
 use crate::stream::{LiveStream, Recording};
 use crate::upstream::{kept_headers, next_data, read_body, CallError, ClientRequest, Read};
 
@@ -97,6 +97,48 @@ fn is_event_stream(head: &http::response::Parts) -> bool {
                     .to_ascii_lowercase()
                     .starts_with("text/event-stream")
             })
+}
+
+/// Mirrors a live stream to the store chunk batch by chunk batch, then its end.
+async fn mirror(gw: Arc<Gateway>, id: JobId, live: LiveStream) {
+    let head = StreamHead {
+        status: live.status,
+        headers: live.headers.clone(),
+        n: live.n,
+        provider: live.provider.clone(),
+    };
+    let store = gw.store();
+    if let Err(e) = store.mirror_stream(&id, StreamUpdate::Head(head)).await {
+        warn!(job_id = %id, error = %e, "cannot mirror the stream; duplicates elsewhere will wait for it to settle");
+        return;
+    }
+    let mut sent = 0;
+    loop {
+        let update = match live.recording.chunks_from(sent).await {
+            Err(()) => {
+                let _ = store
+                    .mirror_stream(
+                        &id,
+                        StreamUpdate::End(Err(
+                            "the stream outgrew max_stored_response_bytes".into()
+                        )),
+                    )
+                    .await;
+                return;
+            }
+            Ok((chunks, end)) => (chunks, end),
+        };
+        let (chunks, end) = update;
+        sent += chunks.len();
+        if let Err(e) = store.mirror_stream(&id, StreamUpdate::Chunks(chunks)).await {
+            warn!(job_id = %id, error = %e, "mirroring the stream failed");
+            return;
+        }
+        if let Some(end) = end {
+            let _ = store.mirror_stream(&id, StreamUpdate::End(end)).await;
+            return;
+        }
+    }
 }
 
 /// Renews a streaming job's lease until aborted.
@@ -568,6 +610,11 @@ impl AttemptTask {
             self.gw.streams.insert(id, live.clone());
         }
         let _ = self.events.send(Event::Streaming(live.clone()));
+        // Duplicates on other gateways follow the stream through the store.
+        let mirror = self
+            .job_id
+            .clone()
+            .map(|id| tokio::spawn(mirror(self.gw.clone(), id, live.clone())));
         // The job stays in progress while it streams: keep its lease alive.
         let renew = self.job_id.clone().map(|id| {
             let gw = self.gw.clone();
@@ -592,6 +639,11 @@ impl AttemptTask {
         live.recording.finish(end.clone());
         if let Some(renew) = renew {
             renew.abort();
+        }
+        if let Some(mirror) = mirror {
+            // The mirror's end marker goes out before the job settles, so a follower that
+            // sees the job settled has also seen every chunk.
+            let _ = mirror.await;
         }
         let Some(id) = &self.job_id else { return };
         let transition = match &end {

@@ -20,7 +20,7 @@ use crate::intent;
 use crate::job::{
     new_job_id, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
-use crate::store::{Applied, Claim, JobStore, StoreError};
+use crate::store::{Applied, Claim, JobStore, MirroredStream, StoreError};
 use crate::stream::{LiveStream, LiveStreams};
 use crate::upstream::{provider_uri, CallError, ClientRequest, Upstream};
 
@@ -301,6 +301,14 @@ impl Gateway {
                         // A duplicate of a live stream gets what was recorded, then follows.
                         return Ok(relay(Some(&id), &live, false));
                     }
+                    if record.job.completed_by.is_some() {
+                        // Streaming on another gateway: follow its mirror in the store.
+                        if let Some(mirror) =
+                            self.store.read_stream(&id, 0).await.map_err(unavailable)?
+                        {
+                            return Ok(follow(self.store.clone(), id, mirror));
+                        }
+                    }
                     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                     if left.is_zero() {
                         return Err(Problem::new(
@@ -578,6 +586,68 @@ fn relay(job_id: Option<&str>, live: &LiveStream, primary: bool) -> Response<Bod
     };
     let mut response = answer(job_id, &head, Some((live.n, &live.provider)), !primary);
     *response.body_mut() = live.recording.body(primary);
+    response
+}
+
+/// A duplicate following a stream that another gateway relays, through the store's
+/// mirror: what was mirrored so far, then the rest, polled with a bounded lag.
+fn follow(store: Arc<dyn JobStore>, id: JobId, first: MirroredStream) -> Response<Body> {
+    const LAG: Duration = Duration::from_millis(25);
+    const PATIENCE: Duration = Duration::from_secs(60);
+    let head = StoredResponse {
+        status: first.head.status,
+        headers: first.head.headers.clone(),
+        body: Bytes::new(),
+        body_omitted: false,
+    };
+    let mut response = answer(
+        Some(&id),
+        &head,
+        Some((first.head.n, &first.head.provider)),
+        true,
+    );
+    let state = (
+        store,
+        id,
+        first.chunks.len(),
+        std::collections::VecDeque::from(first.chunks),
+        first.end,
+        tokio::time::Instant::now(),
+    );
+    let chunks = futures_util::stream::unfold(Some(state), |state| async move {
+        let (store, id, mut cursor, mut pending, mut end, mut progress) = state?;
+        loop {
+            if let Some(chunk) = pending.pop_front() {
+                return Some((
+                    Ok(http_body::Frame::data(chunk)),
+                    Some((store, id, cursor, pending, end, progress)),
+                ));
+            }
+            match end {
+                Some(Ok(())) => return None,
+                Some(Err(reason)) => return Some((Err(reason.into()), None)),
+                None => {}
+            }
+            if progress.elapsed() > PATIENCE {
+                return Some((Err("the mirrored stream stopped progressing".into()), None));
+            }
+            tokio::time::sleep(LAG).await;
+            match store.read_stream(&id, cursor).await {
+                Ok(Some(next)) => {
+                    if !next.chunks.is_empty() || next.end.is_some() {
+                        progress = tokio::time::Instant::now();
+                    }
+                    cursor += next.chunks.len();
+                    pending.extend(next.chunks);
+                    end = next.end;
+                }
+                Ok(None) => return Some((Err("the mirrored stream is gone".into()), None)),
+                Err(e) => return Some((Err(e.to_string().into()), None)),
+            }
+        }
+    });
+    *response.body_mut() =
+        http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(chunks));
     response
 }
 

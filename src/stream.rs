@@ -119,6 +119,33 @@ impl Recording {
         self.changed.notify_waiters();
     }
 
+    /// Waits until there are chunks after `from` or the stream ended; returns those chunks
+    /// and the end, if any. `Err` once the recording overflowed: it can no longer be
+    /// mirrored from its start.
+    pub async fn chunks_from(
+        &self,
+        from: usize,
+    ) -> Result<(Vec<Bytes>, Option<Result<(), String>>), ()> {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let state = self.lock();
+                if state.overflowed {
+                    return Err(());
+                }
+                if state.chunks.len() > from || state.end.is_some() {
+                    return Ok((
+                        state.chunks[from.min(state.chunks.len())..].to_vec(),
+                        state.end.clone(),
+                    ));
+                }
+            }
+            notified.await;
+        }
+    }
+
     /// Whether a duplicate can still join from the first byte.
     pub fn joinable(&self) -> bool {
         !self.lock().overflowed
@@ -190,7 +217,7 @@ impl Recording {
                 }
             },
         );
-        StreamBody::new(chunks).boxed()
+        StreamBody::new(chunks).boxed_unsync()
     }
 }
 

@@ -358,3 +358,71 @@ async fn an_answer_larger_than_the_store_limit_reaches_the_client_but_is_not_rep
     assert_eq!(again.job_id(), first.job_id());
     assert_eq!(received(&primary).await, 1, "the job never runs twice");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_on_another_gateway_follows_the_stream_through_redis() {
+    let server = common::redis_server::RedisServer::start().await;
+    let open = || async {
+        let config = idemgate::config::StoreConfig {
+            kind: idemgate::config::StoreKind::Redis,
+            path: Default::default(),
+            urls: vec![server.url()],
+            cluster: false,
+            key_prefix: "idemgate".into(),
+            pool_size: None,
+            wait_replicas: 0,
+        };
+        let policy = idemgate::job::ExpiryPolicy {
+            retention: Duration::from_secs(3600),
+            late_result_window: Duration::from_secs(600),
+        };
+        Arc::new(
+            idemgate::store::redis::RedisStore::open(&config, policy)
+                .await
+                .unwrap(),
+        )
+    };
+    let mut provider = StreamingProvider::start().await;
+    let a = TestGateway::start_on(&config(&provider.url(), ""), open().await).await;
+    let b = TestGateway::start_on(&config(&provider.url(), ""), open().await).await;
+    let events = events();
+
+    let first = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), "k-across"));
+    let upstream = provider.next_call().await;
+    send_chunk(&upstream, &events[0]);
+    send_chunk(&upstream, &events[1]);
+    let mut first = first.await.unwrap();
+    first.read_exactly(events[0].len() + events[1].len()).await;
+
+    let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), "k-across").await;
+    assert_eq!(duplicate.headers["idempotent-replayed"], "true");
+    assert_eq!(
+        duplicate.headers["x-idempotency-job-id"],
+        first.headers["x-idempotency-job-id"]
+    );
+    assert_eq!(duplicate.headers["content-type"], "text/event-stream");
+    let so_far = duplicate
+        .read_exactly(events[0].len() + events[1].len())
+        .await;
+    assert_eq!(
+        so_far,
+        Bytes::from([events[0].clone(), events[1].clone()].concat())
+    );
+    // It follows live: chunk 3 reaches it while the stream is still open.
+    send_chunk(&upstream, &events[2]);
+    assert_eq!(duplicate.read_exactly(events[2].len()).await, events[2]);
+    for event in &events[3..] {
+        send_chunk(&upstream, event);
+    }
+    drop(upstream);
+    assert_eq!(
+        duplicate.read_to_end().await.expect("a clean end"),
+        Bytes::from(events[3..].concat())
+    );
+    first.read_to_end().await.expect("a clean end");
+    assert_eq!(
+        provider.calls(),
+        1,
+        "one upstream call across both gateways"
+    );
+}

@@ -73,6 +73,48 @@ pub trait JobStore: Send + Sync + Debug + 'static {
 
     /// Whether the store answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Publishes a live stream's progress for duplicates on other gateways. Stores that
+    /// serve one process only need not: duplicates there join the stream in memory.
+    async fn mirror_stream(&self, _id: &str, _update: StreamUpdate) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Another gateway's mirrored stream, from chunk `from`; `None` when there is none.
+    async fn read_stream(
+        &self,
+        _id: &str,
+        _from: usize,
+    ) -> Result<Option<MirroredStream>, StoreError> {
+        Ok(None)
+    }
+}
+
+/// The head of a streamed answer, as duplicates on other gateways need it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct StreamHead {
+    pub status: u16,
+    pub headers: Vec<(String, bytes::Bytes)>,
+    pub n: u32,
+    pub provider: String,
+}
+
+/// One step of a mirrored stream.
+#[derive(Clone, Debug)]
+pub enum StreamUpdate {
+    Head(StreamHead),
+    Chunks(Vec<bytes::Bytes>),
+    /// The stream ended cleanly, or was cut for this reason.
+    End(Result<(), String>),
+}
+
+/// What a duplicate on another gateway reads of a live stream.
+#[derive(Clone, Debug)]
+pub struct MirroredStream {
+    pub head: StreamHead,
+    /// Chunks from the position asked for.
+    pub chunks: Vec<bytes::Bytes>,
+    pub end: Option<Result<(), String>>,
 }
 
 /// Wakes the waiters of a job through one of a fixed number of shards keyed by its id, so

@@ -54,7 +54,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use tracing::{debug, warn};
 
-use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
+use super::{
+    decode, encode, Applied, Changes, Claim, JobStore, MirroredStream, StoreError, StreamUpdate,
+};
 use crate::config::StoreConfig;
 use crate::job::{
     claim_digest, shard_tag, ExpiryPolicy, JobRecord, JobState, StoredResponse, Transition,
@@ -65,6 +67,9 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Waiters re-read at least this often, in case a notification was lost with a connection.
 const FALLBACK_POLL: Duration = Duration::from_millis(250);
+/// How long a mirrored stream outlives its last update: duplicates elsewhere read it while
+/// it is live; once the job settles they replay the stored answer instead.
+const MIRROR_TTL_MS: u64 = 10 * 60 * 1000;
 /// Records kept for the jobs this gateway touched recently; a miss costs one extra read.
 const CACHE_LIMIT: usize = 10_000;
 /// Retries of a transition whose record changed underneath it.
@@ -245,6 +250,7 @@ impl RedisStore {
             resp: format!("{}:{{{tag}}}:resp:", self.prefix),
             claim: format!("{}:{{{tag}}}:claim:", self.prefix),
             chan: format!("{}:{{{tag}}}:chan:", self.prefix),
+            stream: format!("{}:{{{tag}}}:", self.prefix),
         }
     }
 
@@ -365,6 +371,8 @@ struct Keys {
     resp: String,
     claim: String,
     chan: String,
+    /// Prefix of a mirrored stream's keys (`shead:`, `schunks:`, `send:` follow).
+    stream: String,
 }
 
 /// Subscribes to every job channel and wakes local waiters; reconnects until the store is
@@ -590,6 +598,98 @@ impl JobStore for RedisStore {
             || self.get(id),
         )
         .await
+    }
+
+    async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
+        let Some(tag) = shard_tag(id) else {
+            return Ok(());
+        };
+        let keys = self.keys(tag);
+        let (head, chunks, end) = (
+            format!("{}shead:{id}", keys.stream),
+            format!("{}schunks:{id}", keys.stream),
+            format!("{}send:{id}", keys.stream),
+        );
+        let mut pipe = redis::pipe();
+        match update {
+            StreamUpdate::Head(h) => {
+                pipe.cmd("SET")
+                    .arg(&head)
+                    .arg(encode(&h))
+                    .arg("PX")
+                    .arg(MIRROR_TTL_MS)
+                    .ignore();
+            }
+            StreamUpdate::Chunks(new) => {
+                if new.is_empty() {
+                    return Ok(());
+                }
+                let mut push = redis::cmd("RPUSH");
+                push.arg(&chunks);
+                for chunk in &new {
+                    push.arg(chunk.as_ref());
+                }
+                pipe.add_command(push).ignore();
+                pipe.cmd("PEXPIRE").arg(&chunks).arg(MIRROR_TTL_MS).ignore();
+                pipe.cmd("PEXPIRE").arg(&head).arg(MIRROR_TTL_MS).ignore();
+            }
+            StreamUpdate::End(result) => {
+                let marker = match result {
+                    Ok(()) => "ok".to_owned(),
+                    Err(reason) => format!("cut:{reason}"),
+                };
+                pipe.cmd("SET")
+                    .arg(&end)
+                    .arg(marker)
+                    .arg("PX")
+                    .arg(MIRROR_TTL_MS)
+                    .ignore();
+            }
+        }
+        pipe.cmd("PUBLISH")
+            .arg(format!("{}{id}", keys.chan))
+            .arg(0)
+            .ignore();
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        pipe.query_async::<()>(&mut connection)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn read_stream(
+        &self,
+        id: &str,
+        from: usize,
+    ) -> Result<Option<MirroredStream>, StoreError> {
+        let Some(tag) = shard_tag(id) else {
+            return Ok(None);
+        };
+        let keys = self.keys(tag);
+        // The end marker is read first: whatever chunks preceded it are then in the list.
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(format!("{}send:{id}", keys.stream));
+        pipe.cmd("GET").arg(format!("{}shead:{id}", keys.stream));
+        pipe.cmd("LRANGE")
+            .arg(format!("{}schunks:{id}", keys.stream))
+            .arg(from)
+            .arg(-1);
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let (end, head, chunks): (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>) = pipe
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        let Some(head) = head else { return Ok(None) };
+        let end = end.map(|marker| match marker.strip_prefix("cut:") {
+            Some(reason) => Err(reason.to_owned()),
+            None => Ok(()),
+        });
+        Ok(Some(MirroredStream {
+            head: decode(&head)?,
+            chunks: chunks.into_iter().map(bytes::Bytes::from).collect(),
+            end,
+        }))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
