@@ -26,6 +26,9 @@ use tokio::net::TcpListener;
 const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
 const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
 const REQUESTS: usize = 4000;
+/// Each row's requests are split over this many rounds, the stores taking turns, so drift
+/// on a shared machine hits every store alike.
+const ROUNDS: usize = 4;
 
 async fn provider() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -56,7 +59,9 @@ struct Row {
     p99: Duration,
 }
 
-async fn run(url: &str, concurrency: usize, tag: &str) -> Row {
+/// Sends `count` requests with fresh keys `{tag}-{i}` from `concurrency` workers; returns
+/// every latency and the wall time.
+async fn run(url: &str, concurrency: usize, tag: &str, count: usize) -> (Vec<Duration>, Duration) {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(concurrency)
         .build_http();
@@ -72,7 +77,7 @@ async fn run(url: &str, concurrency: usize, tag: &str) -> Row {
             let mut samples = Vec::new();
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= REQUESTS {
+                if i >= count {
                     return samples;
                 }
                 let request = Request::post(&url)
@@ -92,10 +97,23 @@ async fn run(url: &str, concurrency: usize, tag: &str) -> Row {
     for w in workers {
         samples.extend(w.await.unwrap());
     }
-    let elapsed = started.elapsed();
+    (samples, started.elapsed())
+}
+
+/// One store's samples at one concurrency, summed over the rounds.
+#[derive(Default)]
+struct Acc {
+    new: Vec<Duration>,
+    new_elapsed: Duration,
+    replay: Vec<Duration>,
+    replay_elapsed: Duration,
+    commits: u64,
+}
+
+fn row(mut samples: Vec<Duration>, elapsed: Duration) -> Row {
     samples.sort();
     Row {
-        throughput: REQUESTS as f64 / elapsed.as_secs_f64(),
+        throughput: samples.len() as f64 / elapsed.as_secs_f64(),
         p50: samples[samples.len() / 2],
         p99: samples[samples.len() * 99 / 100],
     }
@@ -149,28 +167,56 @@ fn main() {
         }
         let mut results = Vec::new();
         let mut replays: Vec<(&str, usize, Row)> = Vec::new();
+        let mut gateways = Vec::new();
         for (name, store) in stores {
             let running = idemgate::start_with_store(config.clone(), store)
                 .await
                 .unwrap();
             let url = format!("http://{}/v1/chat/completions", running.addr);
-            for concurrency in [1, 32] {
-                let _ = run(&url, concurrency, &format!("warm-{name}-{concurrency}")).await;
-                let before = embedded
-                    .commit_stats()
-                    .commits
-                    .load(std::sync::atomic::Ordering::Relaxed);
-                let row = run(&url, concurrency, &format!("{name}-{concurrency}")).await;
-                let commits = embedded
-                    .commit_stats()
-                    .commits
-                    .load(std::sync::atomic::Ordering::Relaxed)
-                    - before;
-                results.push((name, concurrency, row, commits));
-                // The same keys again: every request is a replay.
-                let replay = run(&url, concurrency, &format!("{name}-{concurrency}")).await;
-                replays.push((name, concurrency, replay));
+            gateways.push((name, url, running));
+        }
+        let commits = || {
+            embedded
+                .commit_stats()
+                .commits
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        for concurrency in [1, 32] {
+            for (name, url, _) in &gateways {
+                let _ = run(
+                    url,
+                    concurrency,
+                    &format!("warm-{name}-{concurrency}"),
+                    REQUESTS / ROUNDS,
+                )
+                .await;
             }
+            let mut acc: Vec<Acc> = gateways.iter().map(|_| Acc::default()).collect();
+            for round in 0..ROUNDS {
+                for ((name, url, _), acc) in gateways.iter().zip(&mut acc) {
+                    let tag = format!("{name}-{concurrency}-{round}");
+                    let before = commits();
+                    let (samples, elapsed) = run(url, concurrency, &tag, REQUESTS / ROUNDS).await;
+                    acc.commits += commits() - before;
+                    acc.new.extend(samples);
+                    acc.new_elapsed += elapsed;
+                    // The same keys again: every request is a replay.
+                    let (samples, elapsed) = run(url, concurrency, &tag, REQUESTS / ROUNDS).await;
+                    acc.replay.extend(samples);
+                    acc.replay_elapsed += elapsed;
+                }
+            }
+            for ((name, _, _), acc) in gateways.iter().zip(acc) {
+                results.push((
+                    *name,
+                    concurrency,
+                    row(acc.new, acc.new_elapsed),
+                    acc.commits,
+                ));
+                replays.push((*name, concurrency, row(acc.replay, acc.replay_elapsed)));
+            }
+        }
+        for (_, _, running) in gateways {
             running.shutdown().await;
         }
         println!("new jobs through the gateway, {REQUESTS} requests per row");
