@@ -7,50 +7,22 @@
 //! the figures are the gateway's own cost (routing, fingerprint, claim, settle, copy) plus
 //! one extra loopback hop.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
+use hyper_util::rt::TokioExecutor;
+use support::{provider, ANSWER, REQUEST};
 
 const WARMUP: usize = 500;
 /// Samples per kind, taken in interleaved rounds so drift on a shared machine hits every
 /// kind alike.
 const SAMPLES: usize = 6000;
 const ROUNDS: usize = 12;
-
-const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
-const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
-
-async fn provider() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            let _ = stream.set_nodelay(true);
-            let service = service_fn(|request: Request<Incoming>| async move {
-                let _ = request.into_body().collect().await;
-                let mut response = hyper::Response::new(Full::new(Bytes::from_static(ANSWER)));
-                response
-                    .headers_mut()
-                    .insert("content-type", "application/json".parse().unwrap());
-                Ok::<_, std::convert::Infallible>(response)
-            });
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}")
-}
 
 struct Stats {
     p50: Duration,

@@ -8,50 +8,26 @@
 //! against a `redis-server` this bench starts on a free port (skipped when none is
 //! installed); replays are measured too, since on Redis they are one round trip.
 
+mod support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use idemgate::job::ExpiryPolicy;
 use idemgate::store::JobStore;
+use support::{provider, REQUEST};
 use tokio::net::TcpListener;
 
-const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
-const REQUEST: &[u8] = include_bytes!("../tests/fixtures/openai-chat-request.json");
 const REQUESTS: usize = 4000;
 /// Each row's requests are split over this many rounds, the stores taking turns, so drift
 /// on a shared machine hits every store alike.
 const ROUNDS: usize = 4;
-
-async fn provider() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            let _ = stream.set_nodelay(true);
-            let service = service_fn(|request: Request<Incoming>| async move {
-                let _ = request.into_body().collect().await;
-                Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                    Bytes::from_static(ANSWER),
-                )))
-            });
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}")
-}
 
 struct Row {
     throughput: f64,
