@@ -55,6 +55,13 @@ impl Admin {
             _ => {}
         }
         self.authorize(&request)?;
+        if method == Method::GET && path == "/providers" {
+            let providers = self.gateway.breakers.views();
+            return Ok(json_response(
+                StatusCode::OK,
+                json!({ "providers": providers }),
+            ));
+        }
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
         match (&method, segments.as_slice()) {
             (&Method::GET, ["jobs", id]) => {

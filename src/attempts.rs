@@ -174,6 +174,8 @@ enum Done {
 #[derive(Debug)]
 struct Live {
     provider: String,
+    /// Index into the config's providers.
+    index: usize,
     started: Instant,
     deadline: Option<Instant>,
     first_byte: bool,
@@ -192,6 +194,13 @@ struct Round {
     local_n: u32,
     live: BTreeMap<u32, Live>,
     last_failure: Option<(StoredResponse, u32, String)>,
+    /// The provider whose attempt failed last, and the `Retry-After` it asked for: a retry
+    /// of that same provider waits for it.
+    last_failed: Option<(usize, Option<Duration>)>,
+    /// Retries of one provider in a row, for the backoff.
+    retries: u32,
+    /// When the next attempt starts, if it waits for a backoff or a `Retry-After`.
+    pending: Option<Instant>,
     no_more_attempts: bool,
 }
 
@@ -215,10 +224,16 @@ pub(crate) async fn run_round(
         local_n: 0,
         live: BTreeMap::new(),
         last_failure: None,
+        last_failed: None,
+        retries: 0,
+        pending: None,
         no_more_attempts: false,
     };
     let registered = round.job.as_ref().and_then(|j| j.first_attempt);
     if let Err(end) = round.start_next(registered).await {
+        return end;
+    }
+    if let Err(end) = round.advance().await {
         return end;
     }
     let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
@@ -250,12 +265,29 @@ pub(crate) async fn run_round(
                     return end;
                 }
             }
+            _ = sleep_until(round.pending.unwrap_or_else(far_future)), if round.pending.is_some() => {
+                round.pending = None;
+                if let Err(end) = round.start_next(None).await {
+                    return end;
+                }
+            }
             _ = renew.tick() => round.renew_lease().await,
         }
         if let Err(end) = round.advance().await {
             return end;
         }
     }
+}
+
+/// A provider's `Retry-After`: delta-seconds or an HTTP date.
+fn retry_after(headers: &[(String, Bytes)]) -> Option<Duration> {
+    let value = headers.iter().find(|(k, _)| k == "retry-after")?.1.clone();
+    let value = std::str::from_utf8(&value).ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
 }
 
 fn far_future() -> Instant {
@@ -277,10 +309,39 @@ impl Round {
 
     /// Starts the attempt at the next provider of the route; `registered` is its ordinal
     /// when the store already holds it.
-    async fn start_next(&mut self, registered: Option<u32>) -> Result<(), RoundEnd> {
-        let index = self.route.providers[self.cursor];
-        self.cursor += 1;
-        let provider = self.gw.config.provider(index).clone();
+    async fn start_next(&mut self, mut registered: Option<u32>) -> Result<(), RoundEnd> {
+        // Skipped providers (open circuit, failed probe) count as definite failures of their
+        // step: the round moves on at once.
+        let (index, provider) = loop {
+            let Some(&index) = self.route.providers.get(self.cursor) else {
+                if let Some(n) = registered {
+                    self.record_skip(n, "no provider left to try").await?;
+                }
+                return Ok(());
+            };
+            let step = self.cursor;
+            self.cursor += 1;
+            let provider = self.gw.config.provider(index).clone();
+            let unproven = step > 0
+                && self.route.failover_requires_probe
+                && !self.gw.probes.passed(&self.route.name, index);
+            let skip = if unproven {
+                Some("its last probe failed")
+            } else if !self.gw.breakers.try_acquire(index) {
+                Some("its circuit is open")
+            } else {
+                None
+            };
+            match skip {
+                None => break (index, provider),
+                Some(why) => {
+                    info!(job_id = self.job_id(), provider = %provider.name, why, "provider skipped");
+                    if let Some(n) = registered.take() {
+                        self.record_skip(n, &format!("skipped: {why}")).await?;
+                    }
+                }
+            }
+        };
         let n = match (registered, &self.job) {
             (Some(n), _) => n,
             (None, None) => {
@@ -308,6 +369,7 @@ impl Round {
             n,
             Live {
                 provider: provider.name.clone(),
+                index,
                 started: now,
                 deadline: Some(now + provider.timeout),
                 first_byte: false,
@@ -326,6 +388,29 @@ impl Round {
         };
         tokio::spawn(attempt.run());
         Ok(())
+    }
+
+    /// The attempt registered with the claim could not start: record why.
+    async fn record_skip(&self, n: u32, why: &str) -> Result<(), RoundEnd> {
+        if self.job.is_some() {
+            self.apply(Transition::FailAttempt {
+                n,
+                kind: Failure::Failed,
+                upstream_status: None,
+                error: Some(why.to_owned()),
+            })
+            .await
+            .map_err(RoundEnd::Store)?;
+        }
+        Ok(())
+    }
+
+    /// Full-jitter exponential backoff between retries of one provider, capped by the
+    /// route's `max_retry_after`.
+    fn backoff(&self) -> Duration {
+        let base = Duration::from_millis(100) * 2u32.saturating_pow(self.retries.min(10));
+        let cap = base.min(self.route.max_retry_after);
+        cap.mul_f64(0.5 + fastrand::f64() / 2.0)
     }
 
     fn running(&self) -> impl Iterator<Item = (&u32, &Live)> {
@@ -358,6 +443,8 @@ impl Round {
             Done::Lost => Some(RoundEnd::Settled),
             Done::Store(e) => Some(RoundEnd::Store(e)),
             Done::Failed { response, failover } => {
+                let retry_after = response.as_ref().and_then(|r| retry_after(&r.headers));
+                self.last_failed = Some((live.index, retry_after));
                 if let Some(response) = response {
                     self.last_failure = Some((response, n, live.provider));
                 }
@@ -420,7 +507,7 @@ impl Round {
 
     /// Decides what follows once no attempt is running.
     async fn advance(&mut self) -> Result<(), RoundEnd> {
-        if self.running().next().is_some() {
+        if self.running().next().is_some() || self.pending.is_some() {
             return Ok(());
         }
         let any_unknown = self.live.values().any(|l| l.timed_out);
@@ -428,7 +515,32 @@ impl Round {
             return Err(self.end_unknown().await);
         }
         if !self.no_more_attempts && self.cursor < self.route.providers.len() {
-            return self.start_next(None).await;
+            let providers = &self.route.providers;
+            if let Some((failed, retry_after)) = self.last_failed.take() {
+                // A retry of the provider that just failed waits for its Retry-After, unless
+                // that is longer than the route accepts: then the retry is skipped.
+                if retry_after.is_some_and(|after| after > self.route.max_retry_after) {
+                    while providers.get(self.cursor) == Some(&failed) {
+                        self.cursor += 1;
+                    }
+                } else if providers.get(self.cursor) == Some(&failed) {
+                    let delay = retry_after.unwrap_or_else(|| self.backoff());
+                    self.retries += 1;
+                    debug!(
+                        job_id = self.job_id(),
+                        ?delay,
+                        "retrying the same provider after a pause"
+                    );
+                    self.pending = Some(Instant::now() + delay);
+                    return Ok(());
+                } else {
+                    self.retries = 0;
+                }
+            }
+            self.start_next(None).await?;
+            if self.running().next().is_some() {
+                return Ok(());
+            }
         }
         Err(self.end_failed().await)
     }
@@ -556,6 +668,11 @@ impl AttemptTask {
             }
             Ok(Err(error)) => self.classify_error(error),
         };
+        match &outcome {
+            Outcome::Final(_) => self.gw.breakers.record_success(index),
+            Outcome::Definite { .. } => self.gw.breakers.record_failure(index),
+            Outcome::Unknown(_) => {}
+        }
         let done = self.settle(outcome).await;
         // The round may have ended already (after a timeout): then nobody listens.
         let _ = self.events.send(Event::Done(self.n, done));
@@ -594,6 +711,7 @@ impl AttemptTask {
                 return;
             }
         }
+        self.gw.breakers.record_success(self.provider_index);
         let mut headers = head.headers;
         headers.remove(http::header::CONTENT_LENGTH);
         let live = LiveStream {

@@ -138,7 +138,22 @@ impl FailoverOn {
 #[derive(Clone, Debug)]
 pub struct Contract {
     pub json_pointers: Vec<String>,
-    pub schema: Option<PathBuf>,
+    pub schema: Option<Schema>,
+}
+
+/// A compiled JSON Schema a 2xx body must satisfy.
+#[derive(Clone)]
+pub struct Schema {
+    pub path: PathBuf,
+    pub validator: Arc<jsonschema::Validator>,
+}
+
+impl fmt::Debug for Schema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Schema")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -178,24 +193,30 @@ impl fmt::Display for Invalid {
 }
 
 impl Config {
-    /// Reads, parses and validates a config file.
+    /// Reads, parses and validates a config file. Relative paths in it (a contract's
+    /// schema) are taken from the file's directory.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: shown.clone(),
             source,
         })?;
-        Self::parse(&text, &shown)
+        Self::parse_in(&text, &shown, path.parent())
     }
 
     /// Parses and validates config text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        Self::parse_in(text, origin, None)
+    }
+
+    fn parse_in(text: &str, origin: &str, base: Option<&Path>) -> Result<Self, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             path: origin.to_owned(),
             message: e.to_string().trim_end().to_owned(),
         })?;
         let mut v = Validator {
             path: origin,
+            base,
             problems: Vec::new(),
         };
         let config = v.config(raw);
@@ -327,6 +348,8 @@ struct RawProbe {
 
 struct Validator<'a> {
     path: &'a str,
+    /// Where relative paths in the file are resolved from.
+    base: Option<&'a Path>,
     problems: Vec<Invalid>,
 }
 
@@ -740,12 +763,24 @@ impl Validator<'_> {
                     );
                 }
             }
+            let schema = c.schema.and_then(|file| {
+                let key = format!("{at}.contract.schema");
+                let loaded = self.schema(&file);
+                loaded.map_err(|reason| self.bad(key, reason)).ok()
+            });
             Contract {
                 json_pointers: c.json_pointers,
-                schema: c.schema.map(PathBuf::from),
+                schema,
             }
         });
         let probe = r.probe.map(|p| self.probe(at, p));
+        let failover_requires_probe = r.failover_requires_probe.unwrap_or(false);
+        if failover_requires_probe && probe.is_none() {
+            self.bad(
+                format!("{at}.failover_requires_probe"),
+                "needs a [routes.probe] request to prove the fallbacks with",
+            );
+        }
         Route {
             max_retry_after: self.duration(
                 &format!("{at}.max_retry_after"),
@@ -767,8 +802,25 @@ impl Validator<'_> {
             hedge_after,
             contract,
             probe,
-            failover_requires_probe: r.failover_requires_probe.unwrap_or(false),
+            failover_requires_probe,
         }
+    }
+
+    fn schema(&self, file: &str) -> Result<Schema, String> {
+        let path = match self.base {
+            Some(base) if Path::new(file).is_relative() => base.join(file),
+            _ => PathBuf::from(file),
+        };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+        let validator = jsonschema::validator_for(&json)
+            .map_err(|e| format!("{} is not a valid JSON Schema: {e}", path.display()))?;
+        Ok(Schema {
+            path,
+            validator: Arc::new(validator),
+        })
     }
 
     fn probe(&mut self, at: &str, p: RawProbe) -> Probe {

@@ -5,7 +5,7 @@ use crate::config::Contract;
 /// Why `body` breaks the route's contract, or `None` when it holds (or there is none).
 pub fn violation(contract: Option<&Contract>, body: &[u8]) -> Option<String> {
     let contract = contract?;
-    if contract.json_pointers.is_empty() {
+    if contract.json_pointers.is_empty() && contract.schema.is_none() {
         return None;
     }
     let json: serde_json::Value = match serde_json::from_slice(body) {
@@ -18,7 +18,17 @@ pub fn violation(contract: Option<&Contract>, body: &[u8]) -> Option<String> {
         .filter(|p| json.pointer(p).is_none())
         .map(String::as_str)
         .collect();
-    (!missing.is_empty()).then(|| format!("contract: missing {}", missing.join(", ")))
+    if !missing.is_empty() {
+        return Some(format!("contract: missing {}", missing.join(", ")));
+    }
+    let schema = contract.schema.as_ref()?;
+    let error = schema.validator.iter_errors(&json).next()?;
+    Some(format!(
+        "contract: {} at {:?} breaks {}",
+        error,
+        error.instance_path().to_string(),
+        schema.path.display()
+    ))
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 
 use crate::attempts::{run_round, RoundEnd, RoundJob};
 use crate::body::{self, Body};
+use crate::breaker::Breakers;
 use crate::config::{Config, IdempotencyMode, Route};
 use crate::error::{Problem, ProblemKind};
 use crate::headers;
@@ -20,6 +21,7 @@ use crate::intent;
 use crate::job::{
     new_job_id, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
+use crate::probe::ProbeResults;
 use crate::store::{Applied, Claim, JobStore, MirroredStream, StoreError};
 use crate::stream::{LiveStream, LiveStreams};
 use crate::upstream::{provider_uri, CallError, ClientRequest, Upstream};
@@ -35,6 +37,9 @@ pub struct Gateway {
     rounds: Mutex<HashMap<JobId, u64>>,
     /// Streams this process is relaying, for duplicates to join.
     pub(crate) streams: LiveStreams,
+    pub(crate) breakers: Breakers,
+    /// The last probe of each fallback, for routes with `failover_requires_probe`.
+    pub(crate) probes: Arc<ProbeResults>,
 }
 
 /// How long a client should wait before asking again about a job in flight.
@@ -42,8 +47,15 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 impl Gateway {
     pub fn new(config: Arc<Config>, store: Arc<dyn JobStore>) -> Arc<Self> {
+        let upstream = Upstream::new(&config.providers);
+        let probes = Arc::new(ProbeResults::default());
+        if tokio::runtime::Handle::try_current().is_ok() {
+            crate::probe::spawn_probers(config.clone(), upstream.clone(), probes.clone());
+        }
         Arc::new(Self {
-            upstream: Upstream::new(&config.providers),
+            breakers: Breakers::new(&config.providers),
+            probes,
+            upstream,
             config,
             store,
             rounds: Mutex::new(HashMap::new()),
@@ -155,19 +167,20 @@ impl Gateway {
             now + idem.lease,
             &policy,
         );
-        // The first attempt is registered with the claim: one store write for both.
-        let primary = self.config.provider(route.providers[0]).name.clone();
-        let first = record.apply(
-            Transition::StartAttempt {
+        // The first attempt is registered with the claim: one store write for both. Not when
+        // the primary's circuit is open: the round will skip it.
+        let first_attempt = if self.breakers.is_closed(route.providers[0]) {
+            let primary = self.config.provider(route.providers[0]).name.clone();
+            let start = Transition::StartAttempt {
                 version: record.job.version,
                 provider: primary,
-            },
-            now,
-            &policy,
-        );
-        let first_attempt = match first {
-            Ok(crate::job::Effect::AttemptStarted { n, .. }) => Some(n),
-            _ => None,
+            };
+            match record.apply(start, now, &policy) {
+                Ok(crate::job::Effect::AttemptStarted { n, .. }) => Some(n),
+                _ => None,
+            }
+        } else {
+            None
         };
         match self.store.claim(record, now).await.map_err(unavailable)? {
             Claim::Created(record) => {

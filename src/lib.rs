@@ -14,6 +14,8 @@
 //! - [`upstream`]: provider clients and how a client request is rewritten for a provider.
 //! - [`stream`]: live streams: relay, record, and let duplicates join (SPEC §5).
 //! - [`contract`]: what a 2xx must hold before it may settle a job (SPEC §6).
+//! - [`breaker`]: a circuit breaker per provider (SPEC §4).
+//! - [`probe`]: proving a fallback holds the primary's contract (SPEC §6).
 //! - [`admin`]: health, readiness, job inspection and cancel (SPEC §8).
 //! - [`error`]: every gateway error as `application/problem+json` (SPEC §7).
 //! - `server`: the hyper accept loop with graceful shutdown.
@@ -32,6 +34,7 @@ use tracing::info;
 pub mod admin;
 mod attempts;
 pub mod body;
+pub mod breaker;
 pub mod config;
 pub mod contract;
 pub mod error;
@@ -39,6 +42,7 @@ pub mod gateway;
 pub mod headers;
 pub mod intent;
 pub mod job;
+pub mod probe;
 mod server;
 pub mod store;
 pub mod stream;

@@ -23,6 +23,9 @@ struct Cli {
 enum Command {
     /// Validate a config file and exit.
     CheckConfig { file: PathBuf },
+    /// Send each route's probe through every provider of the route and print a table;
+    /// exits non-zero when a provider does not hold the contract.
+    Probe,
 }
 
 fn main() -> ExitCode {
@@ -45,7 +48,33 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Some(Command::Probe) => probe(cli.config),
         None => serve(cli.config),
+    }
+}
+
+fn probe(path: Option<PathBuf>) -> ExitCode {
+    let Some(path) = path else {
+        eprintln!("idemgate probe: pass --config FILE or set IDEMGATE_CONFIG");
+        return ExitCode::from(2);
+    };
+    let config = match idemgate::Config::from_file(&path) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("the tokio runtime starts");
+    let (table, ok) = runtime.block_on(idemgate::probe::run_cli(&config));
+    print!("{table}");
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 
