@@ -64,6 +64,9 @@ enum Outcome {
     Final(StoredResponse),
     Definite {
         kind: Failure,
+        upstream_status: Option<u16>,
+        /// The answer to pass to the client if every provider fails; `None` for answers
+        /// that must never reach it (a broken contract).
         response: Option<StoredResponse>,
         error: Option<String>,
         failover: bool,
@@ -791,6 +794,7 @@ impl AttemptTask {
         if self.route.failover_on.covers_status(status) {
             return Outcome::Definite {
                 kind: Failure::Failed,
+                upstream_status: Some(status),
                 error: Some(format!("the provider answered {status}")),
                 response: Some(response),
                 failover: true,
@@ -802,6 +806,7 @@ impl AttemptTask {
             {
                 return Outcome::Definite {
                     kind: Failure::ContractRejected,
+                    upstream_status: Some(status),
                     error: Some(missing),
                     response: None,
                     failover: true,
@@ -816,12 +821,14 @@ impl AttemptTask {
         match error {
             CallError::Connect(_) | CallError::NotSent(_) => Outcome::Definite {
                 kind: Failure::Failed,
+                upstream_status: None,
                 response: None,
                 error: text,
                 failover: self.route.failover_on.connect,
             },
             CallError::Reset(_) if self.route.failover_on.reset => Outcome::Definite {
                 kind: Failure::Failed,
+                upstream_status: None,
                 response: None,
                 error: text,
                 failover: true,
@@ -869,6 +876,7 @@ impl AttemptTask {
             }
             Outcome::Definite {
                 kind,
+                upstream_status,
                 response,
                 error,
                 failover,
@@ -876,7 +884,7 @@ impl AttemptTask {
                 let fail = Transition::FailAttempt {
                     n,
                     kind,
-                    upstream_status: response.as_ref().map(|r| r.status),
+                    upstream_status,
                     error,
                 };
                 match self.gw.apply(job_id, fail).await {
