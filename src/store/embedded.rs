@@ -42,6 +42,8 @@ const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses");
 const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
+/// Ids of the jobs that are `unknown`: what an operator must resolve, without a scan.
+const UNKNOWN: TableDefinition<&str, ()> = TableDefinition::new("unknown");
 
 /// Most operations committed by one transaction.
 const MAX_GROUP: usize = 512;
@@ -120,6 +122,8 @@ impl EmbeddedStore {
                 .map_err(|e| fail("cannot open table responses", &e))?;
             txn.open_table(EXPIRY)
                 .map_err(|e| fail("cannot open table expiry", &e))?;
+            txn.open_table(UNKNOWN)
+                .map_err(|e| fail("cannot open table unknown", &e))?;
         }
         txn.commit().map_err(|e| fail("cannot write to it", &e))?;
 
@@ -363,6 +367,7 @@ struct Tables<'t> {
     jobs: Table<'t, &'static str, &'static [u8]>,
     responses: Table<'t, &'static str, &'static [u8]>,
     expiry: Table<'t, (u64, &'static str), ()>,
+    unknown: Table<'t, &'static str, ()>,
 }
 
 type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -374,6 +379,7 @@ impl<'t> Tables<'t> {
             jobs: txn.open_table(JOBS)?,
             responses: txn.open_table(RESPONSES)?,
             expiry: txn.open_table(EXPIRY)?,
+            unknown: txn.open_table(UNKNOWN)?,
         })
     }
 
@@ -439,6 +445,11 @@ impl<'t> Tables<'t> {
         }
         self.expiry
             .insert((millis(record.job.expires_at), id.as_str()), ())?;
+        if record.job.state == JobState::Unknown {
+            self.unknown.insert(id.as_str(), ())?;
+        } else {
+            self.unknown.remove(id.as_str())?;
+        }
         record.job.response = response;
         Ok(record)
     }
@@ -448,6 +459,7 @@ impl<'t> Tables<'t> {
         self.jobs.remove(id)?;
         self.responses.remove(id)?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
+        self.unknown.remove(id)?;
         let key = claim_key(record);
         let owned = self
             .claims
@@ -564,6 +576,29 @@ impl JobStore for EmbeddedStore {
             self.read(id)
         })
         .await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let unknown = txn.open_table(UNKNOWN).map_err(|e| self.unavailable(e))?;
+        let range = match after {
+            Some(after) => unknown
+                .range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
+            None => unknown.range::<&str>(..),
+        }
+        .map_err(|e| self.unavailable(e))?;
+        range
+            .take(limit)
+            .map(|entry| {
+                entry
+                    .map(|(k, _)| k.value().to_owned())
+                    .map_err(|e| self.unavailable(e))
+            })
+            .collect()
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -136,6 +136,24 @@ impl JobStore for MemoryStore {
         .await
     }
 
+    async fn unknown_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let state = self.lock();
+        let mut ids: Vec<JobId> = state
+            .jobs
+            .values()
+            .filter(|r| r.job.state == JobState::Unknown)
+            .map(|r| r.job.id.clone())
+            .filter(|id| after.is_none_or(|after| id.as_str() > after))
+            .collect();
+        ids.sort_unstable();
+        ids.truncate(limit);
+        Ok(ids)
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }

@@ -74,6 +74,14 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     /// Whether the store answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Ids of jobs currently `unknown`, in id order, after `after`, at most `limit`: what an
+    /// operator must resolve.
+    async fn unknown_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError>;
+
     /// Publishes a live stream's progress for duplicates on other gateways. Stores that
     /// serve one process only need not: duplicates there join the stream in memory.
     async fn mirror_stream(&self, _id: &str, _update: StreamUpdate) -> Result<(), StoreError> {

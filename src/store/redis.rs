@@ -59,7 +59,7 @@ use super::{
 };
 use crate::config::StoreConfig;
 use crate::job::{
-    claim_digest, shard_tag, ExpiryPolicy, JobRecord, JobState, StoredResponse, Transition,
+    claim_digest, shard_tag, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
 
 /// How long one command may take before the store counts as unavailable.
@@ -237,6 +237,31 @@ impl RedisStore {
             Arc::downgrade(&changed),
         ));
         Ok(store)
+    }
+
+    /// The set of `unknown` job ids. One key for the whole store, so it is kept by separate
+    /// commands after a job's transition (never inside the job's script, which on a
+    /// Cluster may only touch the job's own slot); readers drop stale entries.
+    fn unknown_index(&self) -> String {
+        format!("{}:unknown-jobs", self.prefix)
+    }
+
+    async fn index_unknown(&self, id: &str, before: JobState, after: JobState) {
+        let command = match (before == JobState::Unknown, after == JobState::Unknown) {
+            (false, true) => "SADD",
+            (true, false) => "SREM",
+            _ => return,
+        };
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let indexed: Result<(), _> = redis::cmd(command)
+            .arg(self.unknown_index())
+            .arg(id)
+            .query_async(&mut connection)
+            .await;
+        if let Err(e) = indexed {
+            warn!(job_id = %id, error = %e, "could not update the index of unknown jobs");
+        }
     }
 
     /// Commands sent to Redis so far (each script call is one round trip).
@@ -554,6 +579,8 @@ impl JobStore for RedisStore {
                 (1, Some(new_rev), _) => {
                     if outcome.is_ok() {
                         self.wait_for_replicas(&claim_key).await?;
+                        self.index_unknown(id, record.job.state, next.job.state)
+                            .await;
                     }
                     self.remember(id, new_rev, next.clone());
                     let record = if next.job.state == JobState::Succeeded && response.is_none() {
@@ -690,6 +717,40 @@ impl JobStore for RedisStore {
             chunks: chunks.into_iter().map(bytes::Bytes::from).collect(),
             end,
         }))
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let mut ids: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(self.unknown_index())
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        ids.sort_unstable();
+        ids.retain(|id| after.is_none_or(|after| id.as_str() > after));
+        // The index is kept beside the jobs, not with them: drop entries that went stale.
+        let mut live = Vec::new();
+        for id in ids {
+            if live.len() == limit {
+                break;
+            }
+            match self.fetch(&id).await? {
+                Some((_, record, _)) if record.job.state == JobState::Unknown => live.push(id),
+                _ => {
+                    let _: Result<(), _> = redis::cmd("SREM")
+                        .arg(self.unknown_index())
+                        .arg(&id)
+                        .query_async(&mut connection)
+                        .await;
+                }
+            }
+        }
+        Ok(live)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -503,6 +503,37 @@ pub async fn unsettled_jobs_outlive_retention_by_the_late_window(store: Arc<dyn 
     );
 }
 
+pub async fn unknown_jobs_are_listed_until_resolved(store: Arc<dyn JobStore>) {
+    let mut unknown = Vec::new();
+    for key in ["u1", "u2", "u3"] {
+        let job = created(&*store, "o", key).await;
+        let id = job.job.id.clone();
+        if key != "u2" {
+            apply(&*store, &id, Transition::MarkUnknown { version: 1 })
+                .await
+                .0
+                .unwrap();
+            unknown.push(id);
+        }
+    }
+    unknown.sort();
+    assert_eq!(store.unknown_jobs(None, 10).await.unwrap(), unknown);
+    let first = store.unknown_jobs(None, 1).await.unwrap();
+    assert_eq!(first, vec![unknown[0].clone()]);
+    assert_eq!(
+        store.unknown_jobs(Some(&first[0]), 10).await.unwrap(),
+        vec![unknown[1].clone()]
+    );
+    apply(&*store, &unknown[0], Transition::Cancel)
+        .await
+        .0
+        .unwrap();
+    assert_eq!(
+        store.unknown_jobs(None, 10).await.unwrap(),
+        vec![unknown[1].clone()]
+    );
+}
+
 pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
     match store
         .apply("job_nope", Transition::Cancel, SystemTime::now())
@@ -538,6 +569,7 @@ macro_rules! conformance_suite {
                 expired_jobs_are_replaced_by_a_new_claim,
                 unsettled_jobs_outlive_retention_by_the_late_window,
                 unknown_jobs_are_not_found,
+                unknown_jobs_are_listed_until_resolved,
             );
         }
     };
