@@ -46,6 +46,28 @@ impl Admin {
             (&Method::GET, "/healthz") => {
                 return Ok(json_response(StatusCode::OK, json!({"status": "ok"})))
             }
+            (&Method::GET, "/metrics") => {
+                // A store that cannot list its unknown jobs still gets its other metrics out.
+                let unknown = self
+                    .gateway
+                    .store
+                    .unknown_jobs(None, usize::MAX)
+                    .await
+                    .ok()
+                    .map(|ids| ids.len());
+                let text = self
+                    .gateway
+                    .metrics
+                    .render(unknown, &self.gateway.breakers.views());
+                let mut response = Response::new(body::full(text));
+                response.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
+                );
+                return Ok(response);
+            }
             (&Method::GET, "/readyz") => {
                 return match self.gateway.store.ping().await {
                     Ok(()) => Ok(json_response(StatusCode::OK, json!({"status": "ready"}))),
@@ -62,6 +84,9 @@ impl Admin {
                 json!({ "providers": providers }),
             ));
         }
+        if method == Method::GET && path == "/jobs" {
+            return self.list(request.uri().query().unwrap_or("")).await;
+        }
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
         match (&method, segments.as_slice()) {
             (&Method::GET, ["jobs", id]) => {
@@ -70,6 +95,16 @@ impl Admin {
                 Ok(json_response(StatusCode::OK, job_view(&record)))
             }
             (&Method::POST, ["jobs", id, "cancel"]) => {
+                // Which attempts the cancel resolves, for the attempts counter.
+                let live: Vec<String> = match self.gateway.store.get(id).await {
+                    Ok(Some(record)) => record
+                        .attempts
+                        .iter()
+                        .filter(|a| a.state.is_live())
+                        .map(|a| a.provider.clone())
+                        .collect(),
+                    _ => Vec::new(),
+                };
                 let applied =
                     self.gateway
                         .apply(id, Transition::Cancel)
@@ -80,6 +115,9 @@ impl Admin {
                         })?;
                 match applied.outcome {
                     Ok(_) => {
+                        for provider in &live {
+                            self.gateway.metrics.attempt(provider, "cancelled");
+                        }
                         tracing::warn!(job_id = %id, "job cancelled out of band; late answers will be discarded");
                         Ok(json_response(StatusCode::OK, job_view(&applied.record)))
                     }
@@ -98,6 +136,53 @@ impl Admin {
                 format!("no admin endpoint {method} {path}"),
             )),
         }
+    }
+
+    /// `GET /jobs?state=unknown[&limit=N][&after=ID]`: the jobs an operator must resolve,
+    /// in id order, a page at a time.
+    async fn list(&self, query: &str) -> Result<Response<Body>, Problem> {
+        let mut state = None;
+        let mut limit = 100usize;
+        let mut after = None;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match key {
+                "state" => state = Some(value.to_owned()),
+                "limit" => {
+                    limit = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|l| (1..=1000).contains(l))
+                        .ok_or_else(|| {
+                            Problem::new(ProblemKind::BadRequest, "limit must be 1 to 1000")
+                        })?
+                }
+                "after" => after = Some(value.to_owned()),
+                _ => {}
+            }
+        }
+        if state.as_deref() != Some("unknown") {
+            return Err(Problem::new(
+                ProblemKind::BadRequest,
+                "only state=unknown can be listed: those are the jobs that need an operator",
+            ));
+        }
+        let store = &self.gateway.store;
+        let ids = store
+            .unknown_jobs(after.as_deref(), limit)
+            .await
+            .map_err(store_problem)?;
+        let mut jobs = Vec::with_capacity(ids.len());
+        for id in &ids {
+            if let Some(record) = store.get(id).await.map_err(store_problem)? {
+                jobs.push(job_view(&record));
+            }
+        }
+        let next = (ids.len() == limit).then(|| ids.last().cloned()).flatten();
+        Ok(json_response(
+            StatusCode::OK,
+            json!({ "jobs": jobs, "next": next }),
+        ))
     }
 
     fn authorize(&self, request: &Request<Body>) -> Result<(), Problem> {

@@ -165,6 +165,8 @@ async fn keep_leased(gw: Arc<Gateway>, id: JobId, version: u64) {
 enum Done {
     Won(StoredResponse),
     Lost,
+    /// The attempt had been cancelled: its answer was dropped.
+    Discarded,
     Failed {
         response: Option<StoredResponse>,
         failover: bool,
@@ -443,7 +445,7 @@ impl Round {
                 n,
                 provider: live.provider,
             }),
-            Done::Lost => Some(RoundEnd::Settled),
+            Done::Lost | Done::Discarded => Some(RoundEnd::Settled),
             Done::Store(e) => Some(RoundEnd::Store(e)),
             Done::Failed { response, failover } => {
                 let retry_after = response.as_ref().and_then(|r| retry_after(&r.headers));
@@ -499,6 +501,7 @@ impl Round {
             let live = self.live.get_mut(&n).expect("due attempts are live");
             live.deadline = None;
             if marked {
+                self.gw.metrics.attempt(&live.provider, "unknown");
                 live.timed_out = true;
                 self.no_more_attempts = true;
                 warn!(job_id, attempt = n, provider = %live.provider,
@@ -658,6 +661,7 @@ impl AttemptTask {
         } else {
             provider.timeout
         };
+        let sent = std::time::Instant::now();
         let outcome = match tokio::time::timeout(patience, exchange).await {
             Err(_) => Outcome::Unknown("no answer within late_result_window".into()),
             Ok(Ok(Answer::Whole(head, body))) => self.classify_answer(StoredResponse {
@@ -667,16 +671,35 @@ impl AttemptTask {
                 body_omitted: false,
             }),
             Ok(Ok(Answer::Stream(head, prefix, body))) => {
+                self.gw.metrics.upstream(&provider.name, sent.elapsed());
                 return self.relay(&provider, head, prefix, body).await;
             }
             Ok(Err(error)) => self.classify_error(error),
         };
-        match &outcome {
-            Outcome::Final(_) => self.gw.breakers.record_success(index),
-            Outcome::Definite { .. } => self.gw.breakers.record_failure(index),
-            Outcome::Unknown(_) => {}
-        }
+        self.gw.metrics.upstream(&provider.name, sent.elapsed());
+        let result = match &outcome {
+            Outcome::Final(_) => {
+                self.gw.breakers.record_success(index);
+                "succeeded"
+            }
+            Outcome::Definite { kind, .. } => {
+                self.gw.breakers.record_failure(index);
+                match kind {
+                    Failure::Failed => "failed",
+                    Failure::ContractRejected => "contract_rejected",
+                }
+            }
+            Outcome::Unknown(_) => "unknown",
+        };
         let done = self.settle(outcome).await;
+        match &done {
+            Done::Lost => {
+                self.gw.metrics.race_lost(&provider.name);
+                self.gw.metrics.attempt(&provider.name, "lost_race");
+            }
+            Done::Discarded | Done::Store(_) => {}
+            _ => self.gw.metrics.attempt(&provider.name, result),
+        }
         // The round may have ended already (after a timeout): then nobody listens.
         let _ = self.events.send(Event::Done(self.n, done));
     }
@@ -704,6 +727,8 @@ impl AttemptTask {
                 }) => {
                     warn!(job_id = %id, attempt = n, winner = ?completed_by,
                         "streaming attempt lost the race; not a byte of it is relayed");
+                    self.gw.metrics.race_lost(&provider.name);
+                    self.gw.metrics.attempt(&provider.name, "lost_race");
                     Some(Done::Lost)
                 }
                 Ok(_) => Some(Done::Lost),
@@ -780,8 +805,19 @@ impl AttemptTask {
                 }
             }
         };
-        if let Err(e) = self.gw.apply(id, transition).await {
-            warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse");
+        match self.gw.apply(id, transition).await {
+            Ok(Applied {
+                outcome: Ok(Effect::Won),
+                ..
+            }) => self.gw.metrics.attempt(&provider.name, "succeeded"),
+            Ok(Applied {
+                outcome: Ok(Effect::AttemptFailed { .. }),
+                ..
+            }) => self.gw.metrics.attempt(&provider.name, "failed"),
+            Ok(_) => {}
+            Err(e) => {
+                warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse")
+            }
         }
         self.gw.streams.remove(id);
     }
@@ -869,7 +905,7 @@ impl AttemptTask {
                     }
                     Ok(_) => {
                         info!(job_id = %job_id, attempt = n, "late answer discarded: the attempt was cancelled");
-                        Done::Lost
+                        Done::Discarded
                     }
                     Err(e) => Done::Store(e),
                 }

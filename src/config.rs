@@ -17,11 +17,27 @@ use crate::intent::{IgnoredPointer, OwnerMode};
 /// The validated configuration of one gateway.
 #[derive(Clone, Debug)]
 pub struct Config {
+    pub log: LogConfig,
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub idempotency: IdempotencyConfig,
     pub providers: Vec<Arc<Provider>>,
     pub routes: Vec<Arc<Route>>,
+}
+
+/// `[log]`: how the gateway writes its logs (to stderr).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A `tracing` filter: `info`, `warn`, `idemgate=debug,info`, …; `IDEMGATE_LOG` overrides it.
+    pub level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    /// One JSON object per line, for log pipelines.
+    Json,
 }
 
 #[derive(Clone, Debug)]
@@ -238,6 +254,8 @@ impl Config {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     #[serde(default)]
+    log: RawLog,
+    #[serde(default)]
     server: RawServer,
     #[serde(default)]
     store: RawStore,
@@ -247,6 +265,13 @@ struct RawConfig {
     providers: Vec<RawProvider>,
     #[serde(default)]
     routes: Vec<RawRoute>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    format: Option<String>,
+    level: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -391,18 +416,44 @@ impl Validator<'_> {
     }
 
     fn config(&mut self, raw: RawConfig) -> Config {
+        let log = self.log(raw.log);
         let server = self.server(raw.server);
         let store = self.store(raw.store);
         let idempotency = self.idempotency(raw.idempotency);
         let providers = self.providers(raw.providers);
         let routes = self.routes(raw.routes, &providers);
         Config {
+            log,
             server,
             store,
             idempotency,
             providers,
             routes,
         }
+    }
+
+    fn log(&mut self, raw: RawLog) -> LogConfig {
+        let format = match raw.format.as_deref().unwrap_or("text") {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                self.bad(
+                    "log.format",
+                    format!("{other:?} is not one of \"text\", \"json\""),
+                );
+                LogFormat::Text
+            }
+        };
+        let level = raw.level.unwrap_or_else(|| "info".into());
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&level) {
+            self.bad(
+                "log.level",
+                format!(
+                    "{level:?} is not a log filter like \"info\" or \"idemgate=debug,warn\": {e}"
+                ),
+            );
+        }
+        LogConfig { format, level }
     }
 
     fn server(&mut self, raw: RawServer) -> ServerConfig {

@@ -152,6 +152,8 @@ impl Problem {
     pub fn into_response(self) -> http::Response<crate::body::Body> {
         let mut response = http::Response::new(crate::body::full(self.body()));
         *response.status_mut() = self.status();
+        // Lets the request counter tell outcomes apart without parsing the body.
+        response.extensions_mut().insert(self.kind);
         let headers = response.headers_mut();
         headers.insert(
             http::header::CONTENT_TYPE,

@@ -21,10 +21,12 @@ use crate::intent;
 use crate::job::{
     new_job_id, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
+use crate::metrics::{Metrics, RequestOutcome};
 use crate::probe::ProbeResults;
 use crate::store::{Applied, Claim, JobStore, MirroredStream, StoreError};
 use crate::stream::{LiveStream, LiveStreams};
 use crate::upstream::{provider_uri, CallError, ClientRequest, Upstream};
+use tracing::Instrument;
 
 /// Everything a request needs: config, store, upstream clients.
 #[derive(Debug)]
@@ -38,6 +40,7 @@ pub struct Gateway {
     /// Streams this process is relaying, for duplicates to join.
     pub(crate) streams: LiveStreams,
     pub(crate) breakers: Breakers,
+    pub(crate) metrics: Metrics,
     /// The last probe of each fallback, for routes with `failover_requires_probe`.
     pub(crate) probes: Arc<ProbeResults>,
 }
@@ -54,6 +57,7 @@ impl Gateway {
         }
         Arc::new(Self {
             breakers: Breakers::new(&config.providers),
+            metrics: Metrics::default(),
             probes,
             upstream,
             config,
@@ -84,11 +88,13 @@ impl Gateway {
     ) -> Result<Applied, StoreError> {
         let mut delay = Duration::from_millis(25);
         for _ in 0..4 {
-            match self
+            let started = std::time::Instant::now();
+            let applied = self
                 .store
                 .apply(id, transition.clone(), SystemTime::now())
-                .await
-            {
+                .await;
+            self.metrics.store("apply", started.elapsed());
+            match applied {
                 Err(StoreError::Unavailable(e)) => {
                     warn!(job_id = id, error = %e, "store unavailable; retrying");
                     tokio::time::sleep(delay).await;
@@ -102,20 +108,44 @@ impl Gateway {
 
     /// Serves one client request; every error becomes its problem+json answer.
     pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Response<Body> {
-        match self.serve(request).await {
-            Ok(response) => response,
-            Err(problem) => problem.into_response(),
+        let span = tracing::info_span!(
+            "request",
+            method = %request.method(),
+            path = %request.uri().path(),
+            route = tracing::field::Empty,
+            owner = tracing::field::Empty,
+            job_id = tracing::field::Empty,
+        );
+        let mut route = None;
+        let result = self.serve(request, &mut route).instrument(span).await;
+        let response = result.unwrap_or_else(Problem::into_response);
+        // Pass-through traffic is not counted: it makes no job.
+        if let Some(route) = route {
+            self.metrics.request(&route, outcome_of(&response));
         }
+        response
     }
 
-    async fn serve(self: &Arc<Self>, request: Request<Body>) -> Result<Response<Body>, Problem> {
+    async fn serve(
+        self: &Arc<Self>,
+        request: Request<Body>,
+        counted_as: &mut Option<String>,
+    ) -> Result<Response<Body>, Problem> {
         let (parts, body) = request.into_parts();
         let mut body = PendingBody::Unread(body);
-        let route = self.select_route(&parts, &mut body).await?;
+        let route = match self.select_route(&parts, &mut body).await {
+            Ok(route) => route,
+            Err(problem) => {
+                *counted_as = Some("none".into());
+                return Err(problem);
+            }
+        };
         let safe = matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
         if safe || route.idempotency == IdempotencyMode::Off {
             return self.pass_through(&route, parts, body).await;
         }
+        *counted_as = Some(route.name.clone());
+        tracing::Span::current().record("route", route.name.as_str());
         let idem = &self.config.idempotency;
         let owner = intent::owner(&idem.owner, &parts.headers).ok_or_else(|| {
             Problem::new(
@@ -128,6 +158,7 @@ impl Gateway {
                 },
             )
         })?;
+        tracing::Span::current().record("owner", owner.as_str());
         let key = intent::key(&parts.headers, &idem.header, idem.max_key_length)
             .map_err(|e| Problem::new(ProblemKind::InvalidIdempotencyKey, e.to_string()))?;
         if key.is_none() && route.idempotency == IdempotencyMode::Required {
@@ -182,7 +213,15 @@ impl Gateway {
         } else {
             None
         };
-        match self.store.claim(record, now).await.map_err(unavailable)? {
+        let started = std::time::Instant::now();
+        let claimed = self.store.claim(record, now).await;
+        self.metrics.store("claim", started.elapsed());
+        let claimed = claimed.map_err(unavailable)?;
+        let job_id = match &claimed {
+            Claim::Created(r) | Claim::Existing(r) => r.job.id.clone(),
+        };
+        tracing::Span::current().record("job_id", job_id.as_str());
+        match claimed {
             Claim::Created(record) => {
                 debug!(job_id = %record.job.id, route = %route.name, "new job");
                 let job = RoundJob {
@@ -489,6 +528,24 @@ impl Gateway {
                 }
             }
         }
+    }
+}
+
+/// What a request came to, for the requests counter.
+fn outcome_of(response: &Response<Body>) -> RequestOutcome {
+    match response.extensions().get::<ProblemKind>() {
+        Some(ProblemKind::IdempotencyKeyReused) => RequestOutcome::Conflict,
+        Some(ProblemKind::RequestInProgress) => RequestOutcome::InProgress,
+        Some(ProblemKind::OutcomeUnknown | ProblemKind::AttemptTimedOut) => RequestOutcome::Unknown,
+        Some(_) => RequestOutcome::Error,
+        None if response
+            .headers()
+            .get(headers::REPLAYED)
+            .is_some_and(|v| v == "true") =>
+        {
+            RequestOutcome::Replayed
+        }
+        None => RequestOutcome::New,
     }
 }
 

@@ -16,7 +16,8 @@
 //! - [`contract`]: what a 2xx must hold before it may settle a job (SPEC §6).
 //! - [`breaker`]: a circuit breaker per provider (SPEC §4).
 //! - [`probe`]: proving a fallback holds the primary's contract (SPEC §6).
-//! - [`admin`]: health, readiness, job inspection and cancel (SPEC §8).
+//! - [`admin`]: health, readiness, metrics, job inspection and cancel (SPEC §8).
+//! - [`metrics`]: the Prometheus metrics.
 //! - [`error`]: every gateway error as `application/problem+json` (SPEC §7).
 //! - `server`: the hyper accept loop with graceful shutdown.
 //!
@@ -42,6 +43,7 @@ pub mod gateway;
 pub mod headers;
 pub mod intent;
 pub mod job;
+pub mod metrics;
 pub mod probe;
 mod server;
 pub mod store;

@@ -28,15 +28,21 @@ enum Command {
     Probe,
 }
 
+/// Logs to stderr as the config says; `IDEMGATE_LOG` overrides the level.
+fn init_logging(log: &idemgate::config::LogConfig) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match log.format {
+        idemgate::config::LogFormat::Json => builder.json().init(),
+        idemgate::config::LogFormat::Text => builder.init(),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     match cli.command {
         Some(Command::CheckConfig { file }) => match idemgate::Config::from_file(&file) {
             Ok(_) => {
@@ -65,6 +71,7 @@ fn probe(path: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    init_logging(&config.log);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -90,6 +97,7 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    init_logging(&config.log);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

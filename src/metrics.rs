@@ -1,0 +1,208 @@
+//! Prometheus metrics (`GET /metrics` on the admin listener): what an on-call engineer needs
+//! to see a job stuck in `unknown` at 3 a.m. without reading the code.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabels {
+    provider: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProviderLabels {
+    provider: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabels {
+    operation: String,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// What a request came to, as counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// It ran attempts (a new job, a re-opened one, or a keyless request).
+    New,
+    Replayed,
+    Conflict,
+    InProgress,
+    Unknown,
+    Error,
+}
+
+impl RequestOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::New => "new",
+            Self::Replayed => "replayed",
+            Self::Conflict => "conflict",
+            Self::InProgress => "in_progress",
+            Self::Unknown => "unknown",
+            Self::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    attempts: Family<AttemptLabels, Counter>,
+    races_lost: Family<ProviderLabels, Counter>,
+    jobs_unknown: Gauge,
+    breaker_open: Family<ProviderLabels, Gauge>,
+    upstream_seconds: Histograms<ProviderLabels>,
+    store_seconds: Histograms<OperationLabels>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms … ~33 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 17))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("idemgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Idempotent requests by route and outcome (new, replayed, conflict, in_progress, unknown, error)",
+            requests.clone(),
+        );
+        let attempts = Family::<AttemptLabels, Counter>::default();
+        registry.register(
+            "attempts",
+            "Attempt results by provider (succeeded, failed, unknown, lost_race, contract_rejected, cancelled)",
+            attempts.clone(),
+        );
+        let races_lost = Family::<ProviderLabels, Counter>::default();
+        registry.register(
+            "races_lost",
+            "Attempts whose answer arrived after another attempt won, by provider; their payload was dropped",
+            races_lost.clone(),
+        );
+        let jobs_unknown = Gauge::default();
+        registry.register(
+            "jobs_unknown",
+            "Jobs currently unknown: an attempt may have run and nobody knows; each needs a late answer or an operator",
+            jobs_unknown.clone(),
+        );
+        let breaker_open = Family::<ProviderLabels, Gauge>::default();
+        registry.register(
+            "breaker_open",
+            "Circuit breaker state by provider: 0 closed, 1 open (skipped), 2 half-open (one trial allowed)",
+            breaker_open.clone(),
+        );
+        let upstream_seconds: Histograms<ProviderLabels> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "upstream_seconds",
+            "Time from sending an attempt to its complete answer (first byte for streams), by provider",
+            upstream_seconds.clone(),
+        );
+        let store_seconds: Histograms<OperationLabels> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "store_seconds",
+            "Store operation latency by operation (claim, apply, get)",
+            store_seconds.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            attempts,
+            races_lost,
+            jobs_unknown,
+            breaker_open,
+            upstream_seconds,
+            store_seconds,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn request(&self, route: &str, outcome: RequestOutcome) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                outcome: outcome.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn attempt(&self, provider: &str, result: &str) {
+        self.attempts
+            .get_or_create(&AttemptLabels {
+                provider: provider.to_owned(),
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn race_lost(&self, provider: &str) {
+        self.races_lost
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn upstream(&self, provider: &str, took: Duration) {
+        self.upstream_seconds
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn store(&self, operation: &str, took: Duration) {
+        self.store_seconds
+            .get_or_create(&OperationLabels {
+                operation: operation.to_owned(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// The text exposition, with the gauges that are read at scrape time set first.
+    pub fn render(
+        &self,
+        jobs_unknown: Option<usize>,
+        breakers: &[crate::breaker::BreakerView],
+    ) -> String {
+        if let Some(count) = jobs_unknown {
+            self.jobs_unknown.set(count as i64);
+        }
+        for b in breakers {
+            let state = match b.state {
+                "open" => 1,
+                "half_open" => 2,
+                _ => 0,
+            };
+            self.breaker_open
+                .get_or_create(&ProviderLabels {
+                    provider: b.name.clone(),
+                })
+                .set(state);
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
