@@ -798,7 +798,7 @@ impl AttemptTask {
                 response: live.stored(),
             },
             Err(reason) => {
-                warn!(job_id = %id, attempt = n, reason = %reason, "stream cut; the job is failed and may be retried");
+                warn!(job_id = %id, attempt = n, reason = %reason, "stream cut; its attempt failed and the client sees an aborted body");
                 Transition::CutStream {
                     n,
                     error: reason.clone(),

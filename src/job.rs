@@ -298,6 +298,8 @@ pub enum Rejection {
     NoSuchAttempt(u32),
     #[error("job is already settled ({0})")]
     AlreadySettled(JobState),
+    #[error("attempt {0} may still be running")]
+    AttemptLive(u32),
 }
 
 impl JobRecord {
@@ -422,6 +424,11 @@ impl JobRecord {
             }
             Transition::FailRound { version } => {
                 self.expect(JobState::InProgress, version)?;
+                // A round fails only when every attempt of it definitely failed: one that may
+                // still run would otherwise overlap the next round.
+                if let Some(live) = self.attempts.iter().find(|a| a.state.is_live()) {
+                    return Err(Rejection::AttemptLive(live.n));
+                }
                 self.job.state = JobState::Failed;
                 self.job.version += 1;
                 Ok(Effect::Applied)
@@ -571,8 +578,13 @@ impl JobRecord {
             Err(error) => {
                 attempt.state = AttemptState::Failed;
                 attempt.error = Some(error);
-                self.job.state = JobState::Failed;
                 self.job.completed_by = None;
+                // A hedged attempt still running may yet answer: the job stays open for it
+                // (its gateway's lease decides if it is dead). Otherwise a retry may run.
+                if self.attempts.iter().any(|a| a.state.is_live()) {
+                    return Ok(Effect::AttemptFailed { job_failed: false });
+                }
+                self.job.state = JobState::Failed;
                 self.job.version += 1;
                 Ok(Effect::AttemptFailed { job_failed: true })
             }
@@ -1157,6 +1169,41 @@ mod tests {
         );
         assert_eq!(r.attempt(a).unwrap().state, AttemptState::Failed);
         assert_eq!(r.classify("fp", t(6)), Found::Reopenable { version: 2 });
+    }
+
+    #[test]
+    fn a_round_with_a_live_attempt_cannot_fail() {
+        for live in [AttemptState::Started, AttemptState::Unknown] {
+            let mut r = record();
+            let a = start(&mut r, "p");
+            r.attempts[0].state = live;
+            assert_eq!(
+                r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY),
+                Err(Rejection::AttemptLive(a))
+            );
+            assert_eq!(r.job.state, JobState::InProgress);
+        }
+    }
+
+    #[test]
+    fn a_cut_stream_leaves_the_job_to_a_hedged_attempt_still_running() {
+        let mut r = record();
+        let a = start(&mut r, "primary");
+        let b = start(&mut r, "fallback");
+        stream(&mut r, Transition::BeginStream { n: b }).unwrap();
+        let cut = Transition::CutStream {
+            n: b,
+            error: "reset".into(),
+        };
+        assert_eq!(
+            stream(&mut r, cut),
+            Ok(Effect::AttemptFailed { job_failed: false })
+        );
+        assert_eq!(
+            (r.job.state, r.job.version, r.job.completed_by),
+            (JobState::InProgress, 1, None)
+        );
+        assert_eq!(complete(&mut r, a, "primary"), Ok(Effect::Won));
     }
 
     #[test]

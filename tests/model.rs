@@ -1,0 +1,712 @@
+//! Model-based tests of the job protocol: thousands of generated histories of store
+//! operations — claims (also racing ones), attempts starting, answering, failing, timing out,
+//! streams, cancels, re-opens, lease lapses, expiry — applied to every store and to a
+//! reference model, with the protocol's invariants checked after every step.
+//!
+//! Each history comes from a seed and replays exactly: a failure prints its seed, and
+//! `MODEL_SEED=<seed> cargo test --test model` reruns that one history. `cargo test` runs a
+//! bounded number of seeds; `MODEL_SEEDS=<n> cargo test --release --test model` runs more.
+//!
+//! The invariants, written once here:
+//! 1. At most one attempt of a job ever wins: `completed_by` is set once, and a settled
+//!    answer never changes.
+//! 2. The stored answer is byte-identical to the answer the winning attempt offered.
+//! 3. No attempt of a later round starts while an attempt of an earlier round is `started`
+//!    or `unknown` (attempts of one round may overlap: that is hedging).
+//! 4. A late answer after a cancel or a lost race is never stored.
+//! 5. One (owner, key) has one job within retention; different (owner, key) never share one.
+//! 6. Every attempt belongs to exactly one job: ordinals are 1, 2, … with no gaps, and a
+//!    winner's fencing token is the version it completed (`read_version + 1`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use common::redis_server::{RedisCluster, RedisServer};
+use idemgate::config::{StoreConfig, StoreKind};
+use idemgate::job::{
+    new_job_id, AttemptState, Effect, ExpiryPolicy, Failure, JobRecord, JobState, StoredResponse,
+    Transition,
+};
+use idemgate::store::{Claim, JobStore};
+
+const POLICY: ExpiryPolicy = ExpiryPolicy {
+    retention: Duration::from_secs(100),
+    late_result_window: Duration::from_secs(50),
+};
+const STEPS: usize = 60;
+
+/// One step of a history. Jobs and attempts are picked by index among the known ones.
+#[derive(Clone, Debug)]
+enum Op {
+    Claim {
+        owner: u8,
+        key: u8,
+        payload: u8,
+    },
+    /// Several claims of one fresh (owner, key) at once.
+    ClaimRace {
+        owner: u8,
+        key: u8,
+        racers: u8,
+    },
+    Start {
+        job: usize,
+        provider: u8,
+        stale: bool,
+    },
+    Complete {
+        job: usize,
+        attempt: usize,
+        body: u8,
+    },
+    Fail {
+        job: usize,
+        attempt: usize,
+        contract: bool,
+    },
+    AttemptUnknown {
+        job: usize,
+        attempt: usize,
+    },
+    MarkUnknown {
+        job: usize,
+        stale: bool,
+    },
+    FailRound {
+        job: usize,
+        stale: bool,
+    },
+    Cancel {
+        job: usize,
+    },
+    Reopen {
+        job: usize,
+        stale: bool,
+    },
+    RenewLease {
+        job: usize,
+    },
+    ExpireLease {
+        job: usize,
+    },
+    BeginStream {
+        job: usize,
+        attempt: usize,
+    },
+    EndStream {
+        job: usize,
+        attempt: usize,
+        body: u8,
+    },
+    CutStream {
+        job: usize,
+        attempt: usize,
+    },
+    /// The clock moves past retention: every settled job may expire.
+    Later,
+}
+
+fn generate(rng: &mut fastrand::Rng) -> Vec<Op> {
+    let mut ops = Vec::with_capacity(STEPS);
+    for _ in 0..rng.usize(1..=STEPS) {
+        let job = rng.usize(0..6);
+        let attempt = rng.usize(0..4);
+        let op = match rng.u32(0..100) {
+            0..=13 => Op::Claim {
+                owner: rng.u8(0..2),
+                key: rng.u8(0..3),
+                payload: rng.u8(0..2),
+            },
+            14..=16 => Op::ClaimRace {
+                owner: rng.u8(0..3),
+                key: rng.u8(3..40),
+                racers: rng.u8(2..8),
+            },
+            17..=29 => Op::Start {
+                job,
+                provider: rng.u8(0..3),
+                stale: rng.u8(0..8) == 0,
+            },
+            30..=41 => Op::Complete {
+                job,
+                attempt,
+                body: rng.u8(0..255),
+            },
+            42..=49 => Op::Fail {
+                job,
+                attempt,
+                contract: rng.bool(),
+            },
+            50..=56 => Op::AttemptUnknown { job, attempt },
+            57..=61 => Op::MarkUnknown {
+                job,
+                stale: rng.u8(0..4) == 0,
+            },
+            62..=66 => Op::FailRound {
+                job,
+                stale: rng.u8(0..4) == 0,
+            },
+            67..=71 => Op::Cancel { job },
+            72..=78 => Op::Reopen {
+                job,
+                stale: rng.u8(0..4) == 0,
+            },
+            79..=80 => Op::RenewLease { job },
+            81..=83 => Op::ExpireLease { job },
+            84..=88 => Op::BeginStream { job, attempt },
+            89..=92 => Op::EndStream {
+                job,
+                attempt,
+                body: rng.u8(0..255),
+            },
+            93..=95 => Op::CutStream { job, attempt },
+            _ => Op::Later,
+        };
+        ops.push(op);
+    }
+    ops
+}
+
+fn body(tag: u8) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"application/json"),
+        )],
+        body: Bytes::from(format!("{{\"answer\":{tag}}}")),
+        body_omitted: false,
+    }
+}
+
+/// What happened to one job, as the invariants need it.
+#[derive(Default, Debug)]
+struct History {
+    /// The attempt that won and the answer it offered.
+    winner: Option<(u32, StoredResponse)>,
+    /// Attempts that were cancelled or lost a race: their late answers must never land.
+    dead: Vec<u32>,
+}
+
+/// The reference model: the pure state machine, one record per job, plus the claims index.
+#[derive(Default)]
+struct Model {
+    claims: HashMap<(String, String), String>,
+    jobs: HashMap<String, JobRecord>,
+}
+
+struct Runner {
+    store: Arc<dyn JobStore>,
+    model: Model,
+    /// Job ids in the order they were created.
+    ids: Vec<String>,
+    histories: HashMap<String, History>,
+    now: SystemTime,
+    log: Vec<String>,
+}
+
+impl Runner {
+    fn fail(&self, seed: u64, store: &str, why: String) -> ! {
+        panic!(
+            "{store}: seed {seed} broke an invariant: {why}\nhistory:\n  {}\nrerun: MODEL_SEED={seed} cargo test --test model",
+            self.log.join("\n  ")
+        );
+    }
+
+    async fn claim(&mut self, owner: &str, key: &str, payload: u8) -> Result<(), String> {
+        let fingerprint = format!("fp-{payload}");
+        let record = JobRecord::new(
+            new_job_id(owner, key),
+            owner.into(),
+            key.into(),
+            fingerprint.clone(),
+            "chat".into(),
+            self.now,
+            self.now + Duration::from_secs(30),
+            &POLICY,
+        );
+        let claimed = self
+            .store
+            .claim(record.clone(), self.now)
+            .await
+            .map_err(|e| e.to_string())?;
+        let index = (owner.to_owned(), key.to_owned());
+        let live = self
+            .model
+            .claims
+            .get(&index)
+            .and_then(|id| self.model.jobs.get(id))
+            .filter(|r| !r.is_expired(self.now))
+            .map(|r| r.job.id.clone());
+        match (claimed, live) {
+            (Claim::Existing(found), Some(id)) if found.job.id == id => Ok(()),
+            (Claim::Existing(found), expected) => Err(format!(
+                "claim of ({owner}, {key}) found {} but the model has {expected:?}",
+                found.job.id
+            )),
+            (Claim::Created(created), None) => {
+                if self.model.jobs.values().any(|r| r.job.id == created.job.id) {
+                    return Err("a claim reused another job's id".into());
+                }
+                self.model.claims.insert(index, created.job.id.clone());
+                self.model
+                    .jobs
+                    .insert(created.job.id.clone(), created.clone());
+                self.ids.push(created.job.id.clone());
+                self.histories
+                    .insert(created.job.id.clone(), History::default());
+                Ok(())
+            }
+            (Claim::Created(created), Some(id)) => Err(format!(
+                "claim of ({owner}, {key}) created {} while {id} is live: two jobs for one intent",
+                created.job.id
+            )),
+        }
+    }
+
+    async fn claim_race(&mut self, owner: &str, key: &str, racers: u8) -> Result<(), String> {
+        let fresh = !self
+            .model
+            .claims
+            .contains_key(&(owner.to_owned(), key.to_owned()));
+        if !fresh {
+            return self.claim(owner, key, 0).await;
+        }
+        let mut tasks = Vec::new();
+        for _ in 0..racers {
+            let store = self.store.clone();
+            let record = JobRecord::new(
+                new_job_id(owner, key),
+                owner.into(),
+                key.into(),
+                "fp-0".into(),
+                "chat".into(),
+                self.now,
+                self.now + Duration::from_secs(30),
+                &POLICY,
+            );
+            let now = self.now;
+            tasks.push(tokio::spawn(async move { store.claim(record, now).await }));
+        }
+        let mut created = Vec::new();
+        let mut seen = Vec::new();
+        for task in tasks {
+            match task.await.unwrap().map_err(|e| e.to_string())? {
+                Claim::Created(r) => {
+                    seen.push(r.job.id.clone());
+                    created.push(r);
+                }
+                Claim::Existing(r) => seen.push(r.job.id),
+            }
+        }
+        if created.len() != 1 || seen.iter().any(|id| *id != seen[0]) {
+            return Err(format!(
+                "{racers} racing claims created {} jobs: {seen:?}",
+                created.len()
+            ));
+        }
+        let record = created.pop().unwrap();
+        self.model
+            .claims
+            .insert((owner.to_owned(), key.to_owned()), record.job.id.clone());
+        self.model
+            .jobs
+            .insert(record.job.id.clone(), record.clone());
+        self.ids.push(record.job.id.clone());
+        self.histories
+            .insert(record.job.id.clone(), History::default());
+        Ok(())
+    }
+
+    fn transition(&self, op: &Op) -> Option<(String, Transition)> {
+        let pick = |job: usize| self.ids.get(job % self.ids.len().max(1)).cloned();
+        let id = match op {
+            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later => return None,
+            Op::Start { job, .. }
+            | Op::Complete { job, .. }
+            | Op::Fail { job, .. }
+            | Op::AttemptUnknown { job, .. }
+            | Op::MarkUnknown { job, .. }
+            | Op::FailRound { job, .. }
+            | Op::Cancel { job }
+            | Op::Reopen { job, .. }
+            | Op::RenewLease { job }
+            | Op::ExpireLease { job }
+            | Op::BeginStream { job, .. }
+            | Op::EndStream { job, .. }
+            | Op::CutStream { job, .. } => pick(*job)?,
+        };
+        let record = self.model.jobs.get(&id)?;
+        let version = |stale: bool| record.job.version - u64::from(stale && record.job.version > 1);
+        let n = |attempt: usize| {
+            let count = record.attempts.len().max(1);
+            (attempt % count) as u32 + 1
+        };
+        let transition = match *op {
+            Op::Start {
+                provider, stale, ..
+            } => Transition::StartAttempt {
+                version: version(stale),
+                provider: format!("p{provider}"),
+            },
+            Op::Complete {
+                attempt, body: b, ..
+            } => Transition::Complete {
+                n: n(attempt),
+                response: body(b),
+            },
+            Op::Fail {
+                attempt, contract, ..
+            } => Transition::FailAttempt {
+                n: n(attempt),
+                kind: if contract {
+                    Failure::ContractRejected
+                } else {
+                    Failure::Failed
+                },
+                upstream_status: Some(503),
+                error: None,
+            },
+            Op::AttemptUnknown { attempt, .. } => Transition::AttemptUnknown {
+                n: n(attempt),
+                error: "timeout".into(),
+            },
+            Op::MarkUnknown { stale, .. } => Transition::MarkUnknown {
+                version: version(stale),
+            },
+            Op::FailRound { stale, .. } => Transition::FailRound {
+                version: version(stale),
+            },
+            Op::Cancel { .. } => Transition::Cancel,
+            Op::Reopen { stale, .. } => Transition::Reopen {
+                version: version(stale),
+                lease_until: self.now + Duration::from_secs(30),
+            },
+            Op::RenewLease { .. } => Transition::RenewLease {
+                version: record.job.version,
+                until: self.now + Duration::from_secs(30),
+            },
+            Op::ExpireLease { .. } => Transition::ExpireLease {
+                version: record.job.version,
+            },
+            Op::BeginStream { attempt, .. } => Transition::BeginStream { n: n(attempt) },
+            Op::EndStream {
+                attempt, body: b, ..
+            } => Transition::EndStream {
+                n: n(attempt),
+                response: body(b),
+            },
+            Op::CutStream { attempt, .. } => Transition::CutStream {
+                n: n(attempt),
+                error: "cut".into(),
+            },
+            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later => return None,
+        };
+        if record.attempts.is_empty()
+            && matches!(
+                transition,
+                Transition::Complete { .. }
+                    | Transition::FailAttempt { .. }
+                    | Transition::AttemptUnknown { .. }
+                    | Transition::BeginStream { .. }
+                    | Transition::EndStream { .. }
+                    | Transition::CutStream { .. }
+            )
+        {
+            return None;
+        }
+        Some((id, transition))
+    }
+
+    async fn step(&mut self, op: &Op) -> Result<(), String> {
+        match *op {
+            Op::Claim {
+                owner,
+                key,
+                payload,
+            } => {
+                return self
+                    .claim(&format!("o{owner}"), &format!("k{key}"), payload)
+                    .await
+            }
+            Op::ClaimRace { owner, key, racers } => {
+                return self
+                    .claim_race(&format!("o{owner}"), &format!("race{key}"), racers)
+                    .await
+            }
+            Op::Later => {
+                self.now += POLICY.retention + POLICY.late_result_window + Duration::from_secs(1);
+                return Ok(());
+            }
+            _ => {}
+        }
+        let Some((id, transition)) = self.transition(op) else {
+            return Ok(());
+        };
+        let model = self.model.jobs.get_mut(&id).expect("picked from the model");
+        if model.is_expired(self.now) {
+            return Ok(());
+        }
+        let before = model.clone();
+        let expected = model.apply(transition.clone(), self.now, &POLICY);
+        let applied = self
+            .store
+            .apply(&id, transition.clone(), self.now)
+            .await
+            .map_err(|e| e.to_string())?;
+        if applied.outcome != expected {
+            return Err(format!(
+                "the store answered {:?}, the model {expected:?}",
+                applied.outcome
+            ));
+        }
+        check_same(&applied.record, model)?;
+        check_invariants(
+            &before,
+            &applied.record,
+            &transition,
+            &applied.outcome,
+            self.histories.get_mut(&id).unwrap(),
+        )
+    }
+}
+
+/// The store holds exactly what the model says.
+fn check_same(store: &JobRecord, model: &JobRecord) -> Result<(), String> {
+    let (s, m) = (&store.job, &model.job);
+    if (s.state, s.version, s.completed_by) != (m.state, m.version, m.completed_by) {
+        return Err(format!(
+            "store has ({}, v{}, {:?}), the model ({}, v{}, {:?})",
+            s.state, s.version, s.completed_by, m.state, m.version, m.completed_by
+        ));
+    }
+    if s.response.as_ref().map(|r| &r.body) != m.response.as_ref().map(|r| &r.body) {
+        return Err("the stored answer differs from the model's".into());
+    }
+    let states = |r: &JobRecord| {
+        r.attempts
+            .iter()
+            .map(|a| (a.n, a.state, a.read_version))
+            .collect::<Vec<_>>()
+    };
+    if states(store) != states(model) {
+        return Err(format!(
+            "attempts differ: store {:?}, model {:?}",
+            states(store),
+            states(model)
+        ));
+    }
+    Ok(())
+}
+
+fn check_invariants(
+    before: &JobRecord,
+    after: &JobRecord,
+    transition: &Transition,
+    outcome: &Result<Effect, idemgate::job::Rejection>,
+    history: &mut History,
+) -> Result<(), String> {
+    // 1 and 2: one winner, and the stored answer is the winner's own, forever.
+    if let Some((n, offered)) = &history.winner {
+        if after.job.completed_by != Some(*n) {
+            return Err(format!(
+                "completed_by changed from {n} to {:?}",
+                after.job.completed_by
+            ));
+        }
+        if after.job.response.as_ref().map(|r| &r.body) != Some(&offered.body) {
+            return Err("a settled answer changed after the job succeeded".into());
+        }
+    }
+    if after.job.state == JobState::Succeeded && before.job.state != JobState::Succeeded {
+        let n = after
+            .job
+            .completed_by
+            .ok_or("succeeded without completed_by")?;
+        let offered = match transition {
+            Transition::Complete { n: m, response } | Transition::EndStream { n: m, response }
+                if *m == n =>
+            {
+                response.clone()
+            }
+            _ => {
+                return Err(format!(
+                    "the job succeeded on {transition:?}, not on attempt {n}'s answer"
+                ))
+            }
+        };
+        if after.job.response.as_ref().map(|r| &r.body) != Some(&offered.body) {
+            return Err("the stored answer is not the winning attempt's".into());
+        }
+        if history.dead.contains(&n) {
+            return Err(format!(
+                "attempt {n} was cancelled or lost, yet its late answer was stored"
+            ));
+        }
+        // 6: the winner completed exactly the round it read.
+        let winner = after
+            .attempt(n)
+            .ok_or("the winner is not an attempt of the job")?;
+        if after.job.version != winner.read_version + 1 {
+            return Err(format!(
+                "attempt {n} read version {} but completed the job at version {}: it won another round",
+                winner.read_version, after.job.version
+            ));
+        }
+        history.winner = Some((n, offered));
+    }
+    // 4: remember which attempts may never land again.
+    for a in &after.attempts {
+        if matches!(a.state, AttemptState::Cancelled | AttemptState::LostRace)
+            && !history.dead.contains(&a.n)
+        {
+            history.dead.push(a.n);
+        }
+    }
+    // 3: a new round's attempt never starts beside a live attempt of an earlier round.
+    if let (Transition::StartAttempt { .. }, Ok(Effect::AttemptStarted { read_version, .. })) =
+        (transition, outcome)
+    {
+        if let Some(old) = before
+            .attempts
+            .iter()
+            .find(|a| a.read_version < *read_version && a.state.is_live())
+        {
+            return Err(format!(
+                "an attempt started at version {read_version} while attempt {} of version {} is {:?}",
+                old.n, old.read_version, old.state
+            ));
+        }
+    }
+    // 6: ordinals are 1..=len.
+    if after
+        .attempts
+        .iter()
+        .enumerate()
+        .any(|(i, a)| a.n != i as u32 + 1)
+    {
+        return Err("attempt ordinals have a gap".into());
+    }
+    Ok(())
+}
+
+fn seeds(default: u64) -> Vec<u64> {
+    if let Ok(seed) = std::env::var("MODEL_SEED") {
+        return vec![seed.parse().expect("MODEL_SEED is a number")];
+    }
+    let count = std::env::var("MODEL_SEEDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default);
+    (0..count).collect()
+}
+
+/// Runs `count` seeded histories against stores from `open`.
+async fn run<F, Fut, G>(name: &str, default: u64, open: F)
+where
+    F: Fn(u64) -> Fut,
+    Fut: std::future::Future<Output = (Arc<dyn JobStore>, G)>,
+{
+    let started = std::time::Instant::now();
+    let seeds = seeds(default);
+    let mut steps = 0;
+    for &seed in &seeds {
+        let (store, _guard) = open(seed).await;
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let ops = generate(&mut rng);
+        let mut runner = Runner {
+            store,
+            model: Model::default(),
+            ids: Vec::new(),
+            histories: HashMap::new(),
+            now: SystemTime::UNIX_EPOCH + Duration::from_secs(2_000_000_000),
+            log: Vec::new(),
+        };
+        for op in &ops {
+            runner.log.push(format!("{op:?}"));
+            if let Err(why) = runner.step(op).await {
+                runner.fail(seed, name, why);
+            }
+            steps += 1;
+        }
+    }
+    println!(
+        "model {name}: {} histories, {steps} steps, {:.1?}",
+        seeds.len(),
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_the_memory_store() {
+    run("memory", 3000, |_| async {
+        let store: Arc<dyn JobStore> = Arc::new(idemgate::store::memory::MemoryStore::new(POLICY));
+        (store, ())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_the_embedded_store() {
+    run("embedded", 60, |_| async {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            idemgate::store::embedded::EmbeddedStore::open(&dir.path().join("model.db"), POLICY)
+                .unwrap();
+        (Arc::new(store) as Arc<dyn JobStore>, dir)
+    })
+    .await;
+}
+
+fn redis_config(urls: Vec<String>, cluster: bool, seed: u64) -> StoreConfig {
+    StoreConfig {
+        kind: StoreKind::Redis,
+        path: Default::default(),
+        urls,
+        cluster,
+        // A prefix per history: histories never see each other's keys.
+        key_prefix: format!("model-{seed}"),
+        pool_size: None,
+        wait_replicas: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_redis() {
+    let server = RedisServer::start().await;
+    let url = server.url();
+    run("redis", 300, |seed| {
+        let url = url.clone();
+        async move {
+            let store = idemgate::store::redis::RedisStore::open(
+                &redis_config(vec![url], false, seed),
+                POLICY,
+            )
+            .await
+            .unwrap();
+            (Arc::new(store) as Arc<dyn JobStore>, ())
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_a_redis_cluster() {
+    let cluster = RedisCluster::start().await;
+    let urls = cluster.urls();
+    run("redis-cluster", 100, |seed| {
+        let urls = urls.clone();
+        async move {
+            let store =
+                idemgate::store::redis::RedisStore::open(&redis_config(urls, true, seed), POLICY)
+                    .await
+                    .unwrap();
+            (Arc::new(store) as Arc<dyn JobStore>, ())
+        }
+    })
+    .await;
+}
