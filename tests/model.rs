@@ -11,8 +11,9 @@
 //! 1. At most one attempt of a job ever wins: `completed_by` is set once, and a settled
 //!    answer never changes.
 //! 2. The stored answer is byte-identical to the answer the winning attempt offered.
-//! 3. No attempt of a later round starts while an attempt of an earlier round is `started`
-//!    or `unknown` (attempts of one round may overlap: that is hedging).
+//! 3. No attempt of a later round starts while an attempt of an earlier round may still be
+//!    running — started, and neither answered nor cancelled, whatever the store calls it
+//!    (attempts of one round may overlap: that is hedging).
 //! 4. A late answer after a cancel or a lost race is never stored.
 //! 5. One (owner, key) has one job within retention; different (owner, key) never share one.
 //! 6. Every attempt belongs to exactly one job: ordinals are 1, 2, … with no gaps, and a
@@ -190,6 +191,10 @@ struct History {
     winner: Option<(u32, StoredResponse)>,
     /// Attempts that were cancelled or lost a race: their late answers must never land.
     dead: Vec<u32>,
+    /// Attempts whose call may still be running, with the version they read: started, and
+    /// no answer (success, failure, cut) has come back and no cancel resolved them. A
+    /// timeout does not end a call.
+    alive: Vec<(u32, u64)>,
 }
 
 /// The reference model: the pure state machine, one record per job, plus the claims index.
@@ -567,20 +572,26 @@ fn check_invariants(
             history.dead.push(a.n);
         }
     }
-    // 3: a new round's attempt never starts beside a live attempt of an earlier round.
-    if let (Transition::StartAttempt { .. }, Ok(Effect::AttemptStarted { read_version, .. })) =
-        (transition, outcome)
-    {
-        if let Some(old) = before
-            .attempts
-            .iter()
-            .find(|a| a.read_version < *read_version && a.state.is_live())
-        {
-            return Err(format!(
-                "an attempt started at version {read_version} while attempt {} of version {} is {:?}",
-                old.n, old.read_version, old.state
-            ));
+    // 3: a new round's attempt never starts beside a call of an earlier round that may
+    // still be running.
+    match (transition, outcome) {
+        (Transition::StartAttempt { .. }, Ok(Effect::AttemptStarted { n, read_version })) => {
+            if let Some((old, old_version)) = history.alive.iter().find(|(_, v)| v < read_version) {
+                return Err(format!(
+                    "attempt {n} started at version {read_version} while attempt {old} of version {old_version} may still be running"
+                ));
+            }
+            history.alive.push((*n, *read_version));
         }
+        (
+            Transition::Complete { n, .. }
+            | Transition::FailAttempt { n, .. }
+            | Transition::EndStream { n, .. }
+            | Transition::CutStream { n, .. },
+            _,
+        ) => history.alive.retain(|(a, _)| a != n),
+        (Transition::Cancel, Ok(_)) => history.alive.clear(),
+        _ => {}
     }
     // 6: ordinals are 1..=len.
     if after
