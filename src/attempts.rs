@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::body::Body;
 use bytes::Bytes;
-use hyper::body::Incoming;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
@@ -86,7 +86,7 @@ enum Event {
 enum Answer {
     Whole(http::response::Parts, Bytes),
     /// A stream, or a body too large to store: the chunks read so far and the rest.
-    Stream(http::response::Parts, Vec<Bytes>, Incoming),
+    Stream(http::response::Parts, Vec<Bytes>, Body),
 }
 
 fn is_event_stream(head: &http::response::Parts) -> bool {
@@ -150,7 +150,7 @@ async fn keep_leased(gw: Arc<Gateway>, id: JobId, version: u64) {
     let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
     loop {
         tick.tick().await;
-        let until = SystemTime::now() + lease;
+        let until = crate::clock::now() + lease;
         if let Err(e) = gw
             .apply(&id, Transition::RenewLease { version, until })
             .await
@@ -246,6 +246,8 @@ pub(crate) async fn run_round(
         let timeout_at = round.next_timeout();
         let hedge_at = round.next_hedge();
         tokio::select! {
+            // Fixed priority: answers before timers, so a run replays exactly under paused time.
+            biased;
             Some(event) = rx.recv() => match event {
                 Event::FirstByte(n) => {
                     if let Some(live) = round.live.get_mut(&n) {
@@ -391,7 +393,7 @@ impl Round {
             request: self.request.clone(),
             events: self.events.clone(),
         };
-        tokio::spawn(attempt.run());
+        self.gw.spawn(attempt.run());
         Ok(())
     }
 
@@ -593,7 +595,7 @@ impl Round {
 
     async fn renew_lease(&self) {
         let Some(job) = &self.job else { return };
-        let until = SystemTime::now() + self.gw.config.idempotency.lease;
+        let until = crate::clock::now() + self.gw.config.idempotency.lease;
         let renewed = self
             .apply(Transition::RenewLease {
                 version: job.version,
@@ -712,7 +714,7 @@ impl AttemptTask {
         provider: &Provider,
         head: http::response::Parts,
         prefix: Vec<Bytes>,
-        mut body: Incoming,
+        mut body: Body,
     ) {
         let n = self.n;
         if let Some(id) = &self.job_id {
@@ -760,11 +762,11 @@ impl AttemptTask {
         let mirror = self
             .job_id
             .clone()
-            .map(|id| tokio::spawn(mirror(self.gw.clone(), id, live.clone())));
+            .map(|id| self.gw.spawn(mirror(self.gw.clone(), id, live.clone())));
         // The job stays in progress while it streams: keep its lease alive.
         let renew = self.job_id.clone().map(|id| {
             let gw = self.gw.clone();
-            tokio::spawn(keep_leased(gw, id, self.version))
+            self.gw.spawn(keep_leased(gw, id, self.version))
         });
         let end = loop {
             match tokio::time::timeout(provider.stream_idle_timeout, next_data(&mut body)).await {

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -43,6 +43,8 @@ pub struct Gateway {
     pub(crate) metrics: Metrics,
     /// The last probe of each fallback, for routes with `failover_requires_probe`.
     pub(crate) probes: Arc<ProbeResults>,
+    /// Tasks this gateway spawned (rounds, attempts, streams), for [`Gateway::crash`].
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 /// How long a client should wait before asking again about a job in flight.
@@ -51,6 +53,15 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 impl Gateway {
     pub fn new(config: Arc<Config>, store: Arc<dyn JobStore>) -> Arc<Self> {
         let upstream = Upstream::new(&config.providers);
+        Self::with_upstream(config, store, upstream)
+    }
+
+    /// A gateway whose providers are reached through `upstream` (e.g. simulated ones).
+    pub fn with_upstream(
+        config: Arc<Config>,
+        store: Arc<dyn JobStore>,
+        upstream: Upstream,
+    ) -> Arc<Self> {
         let probes = Arc::new(ProbeResults::default());
         if tokio::runtime::Handle::try_current().is_ok() {
             crate::probe::spawn_probers(config.clone(), upstream.clone(), probes.clone());
@@ -64,7 +75,37 @@ impl Gateway {
             store,
             rounds: Mutex::new(HashMap::new()),
             streams: LiveStreams::default(),
+            tasks: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Spawns a task of this gateway: [`Gateway::crash`] can abort it.
+    pub(crate) fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let handle = tokio::spawn(task);
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        if tasks.len() >= 1024 {
+            tasks.retain(|t| !t.is_finished());
+        }
+        tasks.push(handle.abort_handle());
+        handle
+    }
+
+    /// Stops every round, attempt and stream of this gateway at once, as if its process had
+    /// been killed: no grace, no bookkeeping. Its jobs are left as a dead gateway leaves them
+    /// (their leases lapse). For crash tests and simulations.
+    pub fn crash(&self) {
+        for task in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            task.abort();
+        }
     }
 
     /// The store this gateway claims and settles jobs in.
@@ -91,7 +132,7 @@ impl Gateway {
             let started = std::time::Instant::now();
             let applied = self
                 .store
-                .apply(id, transition.clone(), SystemTime::now())
+                .apply(id, transition.clone(), crate::clock::now())
                 .await;
             self.metrics.store("apply", started.elapsed());
             match applied {
@@ -103,7 +144,7 @@ impl Gateway {
                 result => return result,
             }
         }
-        self.store.apply(id, transition, SystemTime::now()).await
+        self.store.apply(id, transition, crate::clock::now()).await
     }
 
     /// Serves one client request; every error becomes its problem+json answer.
@@ -186,7 +227,7 @@ impl Gateway {
             &request.body,
             &idem.fingerprint_ignore,
         );
-        let now = SystemTime::now();
+        let now = crate::clock::now();
         let policy = Self::expiry_policy(&self.config);
         let mut record = JobRecord::new(
             new_job_id(&owner, &key),
@@ -313,7 +354,7 @@ impl Gateway {
             })?;
         let (mut head, incoming) = response.into_parts();
         headers::strip_hop_by_hop(&mut head.headers);
-        Ok(Response::from_parts(head, body::boxed(incoming)))
+        Ok(Response::from_parts(head, incoming))
     }
 
     /// A claim found an existing job: SPEC §3 step 6, looping while the job is in flight.
@@ -328,7 +369,7 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + idem.wait_for_in_flight;
         loop {
             let id = record.job.id.clone();
-            let now = SystemTime::now();
+            let now = crate::clock::now();
             match record.classify(fingerprint, now) {
                 Found::Conflict => return Err(Problem::new(
                     ProblemKind::IdempotencyKeyReused,
@@ -430,7 +471,7 @@ impl Gateway {
         request: Arc<ClientRequest>,
     ) -> RoundEnd {
         let gw = self.clone();
-        let task = tokio::spawn(async move {
+        let task = self.spawn(async move {
             if let Some(job) = &job {
                 gw.lock_rounds().insert(job.id.clone(), job.version);
             }

@@ -5,6 +5,7 @@
 //! # Layout
 //!
 //! - [`config`]: TOML → validated, typed config (SPEC §9).
+//! - [`clock`]: wall time read through tokio's clock, so paused time drives leases.
 //! - [`intent`]: owner, idempotency key and fingerprint of a request (SPEC §3).
 //! - [`job`]: jobs, attempts, and the pure state machine with its compare-and-swap (SPEC §2).
 //! - [`store`]: the `JobStore` trait that applies that state machine atomically, and its
@@ -36,6 +37,7 @@ pub mod admin;
 mod attempts;
 pub mod body;
 pub mod breaker;
+pub mod clock;
 pub mod config;
 pub mod contract;
 pub mod error;

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use std::future::Future;
+use std::pin::Pin;
 
 use crate::body::{self, Body};
 use crate::config::Provider;
@@ -20,10 +21,36 @@ use crate::headers;
 
 type HttpsClient = Client<HttpsConnector<HttpConnector>, Body>;
 
-/// The clients of every configured provider, by provider index.
+/// A provider exchange in flight.
+pub type Exchange = Pin<Box<dyn Future<Output = Result<Response<Body>, CallError>> + Send>>;
+
+/// How requests reach providers: hyper over TCP and TLS, or, in a simulation, in-process
+/// providers whose timing a seed decides.
+pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
+    /// Sends `request` to provider `index`; the answer's body is still to be read.
+    fn send(&self, index: usize, request: Request<Body>) -> Exchange;
+}
+
+/// The way to every configured provider, by provider index.
 #[derive(Clone, Debug)]
 pub struct Upstream {
-    clients: Arc<[HttpsClient]>,
+    transport: Arc<dyn Transport>,
+}
+
+/// One pooled hyper client per provider.
+#[derive(Debug)]
+struct Hyper {
+    clients: Box<[HttpsClient]>,
+}
+
+impl Transport for Hyper {
+    fn send(&self, index: usize, request: Request<Body>) -> Exchange {
+        let client = self.clients[index].clone();
+        Box::pin(async move {
+            let response = client.request(request).await.map_err(classify)?;
+            Ok(response.map(body::boxed))
+        })
+    }
 }
 
 /// How an exchange failed before a complete response arrived.
@@ -46,7 +73,11 @@ pub enum CallError {
 impl Upstream {
     pub fn new(providers: &[Arc<Provider>]) -> Self {
         let clients = providers.iter().map(|p| client_for(p)).collect();
-        Self { clients }
+        Self::with_transport(Arc::new(Hyper { clients }))
+    }
+
+    pub fn with_transport(transport: Arc<dyn Transport>) -> Self {
+        Self { transport }
     }
 
     /// Sends `request` to provider `index`; the answer's body is still to be read.
@@ -54,8 +85,8 @@ impl Upstream {
         &self,
         index: usize,
         request: Request<Body>,
-    ) -> Result<Response<Incoming>, CallError> {
-        self.clients[index].request(request).await.map_err(classify)
+    ) -> Result<Response<Body>, CallError> {
+        self.transport.send(index, request).await
     }
 }
 
@@ -71,7 +102,7 @@ pub enum Read {
 /// Reads a body up to `limit` bytes, calling `on_first_byte` when its first byte arrives
 /// (hedging counts silence until then).
 pub async fn read_body(
-    body: &mut Incoming,
+    body: &mut Body,
     limit: usize,
     on_first_byte: impl FnOnce(),
 ) -> Result<Read, CallError> {
@@ -97,9 +128,9 @@ pub async fn read_body(
 
 /// The next non-empty data chunk of a body, `None` at its end. A body that breaks off after
 /// the response started is [`CallError::Broken`]: the provider did (some of) the work.
-pub async fn next_data(body: &mut Incoming) -> Result<Option<Bytes>, CallError> {
+pub async fn next_data(body: &mut Body) -> Result<Option<Bytes>, CallError> {
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| CallError::Broken(chain(&e)))?;
+        let frame = frame.map_err(|e| CallError::Broken(chain(&*e)))?;
         if let Ok(data) = frame.into_data() {
             if !data.is_empty() {
                 return Ok(Some(data));

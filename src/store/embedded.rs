@@ -183,7 +183,7 @@ impl EmbeddedStore {
                 let (reply, answer) = oneshot::channel();
                 if writer
                     .send(Op::Sweep {
-                        now: SystemTime::now(),
+                        now: crate::clock::now(),
                         reply,
                     })
                     .is_err()

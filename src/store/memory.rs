@@ -67,7 +67,7 @@ async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
         tick.tick().await;
         let Some(state) = state.upgrade() else { return };
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-        let now = SystemTime::now();
+        let now = crate::clock::now();
         let expired: Vec<JobId> = state
             .jobs
             .iter()
