@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Full};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -13,10 +13,6 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed_unsync()
-}
-
-pub fn empty() -> Body {
-    Empty::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 /// Boxes any body whose errors can be boxed, e.g. hyper's `Incoming`.

@@ -59,19 +59,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn probe(path: Option<PathBuf>) -> ExitCode {
+/// Reads the config (refusing a missing or invalid one) and starts logging as it says.
+fn load(path: Option<PathBuf>) -> Result<idemgate::Config, ExitCode> {
     let Some(path) = path else {
-        eprintln!("idemgate probe: pass --config FILE or set IDEMGATE_CONFIG");
-        return ExitCode::from(2);
+        eprintln!("idemgate: no config file: pass --config FILE or set IDEMGATE_CONFIG");
+        return Err(ExitCode::from(2));
     };
-    let config = match idemgate::Config::from_file(&path) {
-        Ok(config) => config,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+    let config = idemgate::Config::from_file(&path).map_err(|e| {
+        eprintln!("{e}");
+        ExitCode::from(2)
+    })?;
     init_logging(&config.log);
+    Ok(config)
+}
+
+fn probe(path: Option<PathBuf>) -> ExitCode {
+    let config = match load(path) {
+        Ok(config) => config,
+        Err(code) => return code,
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -86,18 +92,10 @@ fn probe(path: Option<PathBuf>) -> ExitCode {
 }
 
 fn serve(path: Option<PathBuf>) -> ExitCode {
-    let Some(path) = path else {
-        eprintln!("idemgate: no config file: pass --config FILE or set IDEMGATE_CONFIG");
-        return ExitCode::from(2);
-    };
-    let config = match idemgate::Config::from_file(&path) {
+    let config = match load(path) {
         Ok(config) => config,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
-    init_logging(&config.log);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -92,7 +92,7 @@ struct Providers {
 }
 
 impl Transport for Providers {
-    fn send(&self, index: usize, request: Request<Body>) -> Exchange {
+    fn send(&self, _provider: usize, request: Request<Body>) -> Exchange {
         let world = self.world.clone();
         Box::pin(async move {
             let job = request
@@ -118,7 +118,6 @@ impl Transport for Providers {
                 };
                 (behaviour, Duration::from_millis(r.u64(10..1500)))
             });
-            let _ = index;
             match behaviour {
                 Behaviour::Refuse => return Err(CallError::Connect("refused".into())),
                 Behaviour::Reset => {
@@ -282,13 +281,11 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
     // An operator who resolves unknown jobs now and then.
     {
         let (store, world, cancelled) = (store.clone(), world.clone(), cancelled.clone());
-        let gateway = gateways[1].clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..4 {
                 tokio::time::sleep(Duration::from_secs(4)).await;
                 for id in store.unknown_jobs(None, 100).await.unwrap() {
                     if world.rng(|r| r.bool()) {
-                        let _ = gateway; // the admin API applies exactly this transition
                         let applied = store
                             .apply(
                                 &id,
