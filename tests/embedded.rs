@@ -238,3 +238,98 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
     assert_eq!(retry.header("x-idempotency-attempt"), Some("2"));
     assert_eq!(provider.calls(), 2);
 }
+
+// ---- the default store end to end ---------------------------------------------------------
+
+fn embedded_gateway_config(primary: &str, fallback: Option<&str>, route: &str) -> String {
+    let mut text = format!(
+        "[[providers]]\nname = \"primary\"\nbase_url = \"{primary}\"\ntimeout = \"300ms\"\n"
+    );
+    let mut names = "\"primary\"".to_owned();
+    if let Some(fallback) = fallback {
+        text.push_str(&format!(
+            "[[providers]]\nname = \"fallback\"\nbase_url = \"{fallback}\"\n"
+        ));
+        names.push_str(", \"fallback\"");
+    }
+    text.push_str(&format!(
+        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [{names}]\n{route}\n"
+    ));
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_embedded_store_duplicates_make_one_call_and_a_late_answer_settles_an_unknown_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(EmbeddedStore::open(&dir.path().join("jobs.db"), POLICY).unwrap());
+    let mut primary = HeldProvider::start().await;
+    let gw = Arc::new(
+        TestGateway::start_on(&embedded_gateway_config(&primary.url(), None, ""), store).await,
+    );
+
+    // Twenty concurrent duplicates, held at the provider past the timeout: one call, one
+    // job, every request told the outcome is unknown.
+    let mut clicks = Vec::new();
+    for _ in 0..20 {
+        let gw = gw.clone();
+        clicks.push(tokio::spawn(async move {
+            gw.post(CHAT, Some("e-dup"), chat_request()).await
+        }));
+    }
+    let call = primary.next_call().await;
+    let mut ids = std::collections::HashSet::new();
+    for click in clicks {
+        let reply = click.await.unwrap();
+        assert!(reply.status == 504 || reply.status == 409, "{reply:?}");
+        assert_eq!(reply.json()["type"], "urn:idemgate:outcome-unknown");
+        ids.insert(reply.job_id());
+    }
+    assert_eq!(ids.len(), 1);
+    let id = ids.into_iter().next().unwrap();
+    assert_eq!(primary.calls(), 1);
+    assert_eq!(gw.job(&id).await["job"]["state"], "unknown");
+
+    // The late answer lands and settles the job on disk; the next retry replays it.
+    call.answer(200, Bytes::from_static(b"{\"late\":true}"));
+    let view = gw.wait_job_change(&id, 1, "unknown").await;
+    assert_eq!(view["job"]["state"], "succeeded");
+    let replay = gw.post(CHAT, Some("e-dup"), chat_request()).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.body, Bytes::from_static(b"{\"late\":true}"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(primary.calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_embedded_store_a_hedged_primary_that_answers_last_loses() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(EmbeddedStore::open(&dir.path().join("jobs.db"), POLICY).unwrap());
+    let mut primary = HeldProvider::start().await;
+    let mut fallback = HeldProvider::start().await;
+    let config = embedded_gateway_config(
+        &primary.url(),
+        Some(&fallback.url()),
+        "hedge_after = \"50ms\"",
+    )
+    .replace("timeout = \"300ms\"", "timeout = \"30s\"");
+    let gw = Arc::new(TestGateway::start_on(&config, store).await);
+    let client = {
+        let gw = gw.clone();
+        tokio::spawn(async move { gw.post(CHAT, Some("e-race"), chat_request()).await })
+    };
+    let first = primary.next_call().await;
+    fallback
+        .next_call()
+        .await
+        .answer(200, Bytes::from_static(b"{\"from\":\"fallback\"}"));
+    let reply = client.await.unwrap();
+    assert_eq!(reply.body, Bytes::from_static(b"{\"from\":\"fallback\"}"));
+    first.answer(200, Bytes::from_static(b"{\"from\":\"primary\"}"));
+    let id = reply.job_id();
+    let view = gw
+        .job_eventually(&id, |v| v["attempts"][0]["state"] == "lost_race")
+        .await;
+    assert_eq!(view["job"]["completed_by"], 2);
+    let replay = gw.post(CHAT, Some("e-race"), chat_request()).await;
+    assert_eq!(replay.body, Bytes::from_static(b"{\"from\":\"fallback\"}"));
+}
