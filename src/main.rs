@@ -32,8 +32,11 @@ enum Command {
 fn init_logging(log: &idemgate::config::LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        // Colours only for a person at a terminal, never into a log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match log.format {
         idemgate::config::LogFormat::Json => builder.json().init(),
