@@ -393,7 +393,10 @@ impl Round {
             request: self.request.clone(),
             events: self.events.clone(),
         };
-        self.gw.spawn(attempt.run());
+        // Its own span, not the request's: an attempt may outlive the request that started it.
+        let span = tracing::info_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
+        self.gw
+            .spawn(tracing::Instrument::instrument(attempt.run(), span));
         Ok(())
     }
 

@@ -1147,7 +1147,11 @@ mod tests {
         std::env::set_var("OPENROUTER_API_KEY", "sk-or-example");
         std::env::set_var("ANTHROPIC_API_KEY", "sk-ant-example");
         std::env::set_var("ANTHROPIC_FALLBACK_KEY", "sk-ant-fallback");
-        for file in ["config/openai.toml", "config/local.toml", "config/anthropic.toml"] {
+        for file in [
+            "config/openai.toml",
+            "config/local.toml",
+            "config/anthropic.toml",
+        ] {
             let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
             Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
         }
