@@ -1,0 +1,197 @@
+//! An attempt whose answer is a stream: the result slot claimed at the first byte, the
+//! chunks relayed live and recorded, the recording mirrored for other gateways, the job
+//! settled when the stream ends.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+use tracing::warn;
+
+use crate::body::Body;
+use crate::config::Provider;
+use crate::gateway::Gateway;
+use crate::job::{Effect, JobId, Transition};
+use crate::store::{Applied, StreamHead, StreamUpdate};
+use crate::stream::{LiveStream, Recording};
+use crate::upstream::{kept_headers, next_data};
+
+use super::attempt::{AttemptTask, Done, Event};
+
+impl AttemptTask {
+    /// Relays a streamed answer: claims the result slot by compare-and-swap before the
+    /// first byte leaves, records every chunk for duplicates and for the store, and settles
+    /// the job when the stream ends — `succeeded` with the recording, or `failed` at a cut.
+    pub(super) async fn relay(
+        &self,
+        provider: &Provider,
+        head: http::response::Parts,
+        prefix: Vec<Bytes>,
+        mut body: Body,
+    ) {
+        let n = self.n;
+        if let Some(id) = &self.job_id {
+            let done = match self.gw.apply(id, Transition::BeginStream { n }).await {
+                Ok(Applied {
+                    outcome: Ok(Effect::Won),
+                    ..
+                }) => None,
+                Ok(Applied {
+                    outcome: Ok(Effect::LostRace { completed_by }),
+                    ..
+                }) => {
+                    warn!(job_id = %id, attempt = n, winner = ?completed_by,
+                        "streaming attempt lost the race; not a byte of it is relayed");
+                    self.gw.metrics.race_lost(&provider.name);
+                    self.gw.metrics.attempt(&provider.name, "lost_race");
+                    Some(Done::Lost)
+                }
+                Ok(_) => Some(Done::Lost),
+                Err(e) => Some(Done::Store(e)),
+            };
+            if let Some(done) = done {
+                let _ = self.events.send(Event::Done(n, done));
+                return;
+            }
+        }
+        self.gw.breakers.record_success(self.provider_index);
+        let mut headers = head.headers;
+        headers.remove(http::header::CONTENT_LENGTH);
+        let live = LiveStream {
+            status: head.status.as_u16(),
+            headers: kept_headers(headers),
+            n,
+            provider: provider.name.clone(),
+            recording: Recording::new(self.gw.config.server.max_stored_response_bytes),
+        };
+        for chunk in prefix {
+            live.recording.push(chunk);
+        }
+        if let Some(id) = &self.job_id {
+            self.gw.streams.insert(id, live.clone());
+        }
+        let _ = self.events.send(Event::Streaming(live.clone()));
+        // Duplicates on other gateways follow the stream through the store.
+        let mirror = self
+            .job_id
+            .clone()
+            .map(|id| self.gw.spawn(mirror(self.gw.clone(), id, live.clone())));
+        // The job stays in progress while it streams: keep its lease alive.
+        let renew = self.job_id.clone().map(|id| {
+            let gw = self.gw.clone();
+            self.gw.spawn(keep_leased(gw, id, self.version))
+        });
+        let end = loop {
+            match tokio::time::timeout(provider.stream_idle_timeout, next_data(&mut body)).await {
+                Err(_) => {
+                    break Err(format!(
+                        "the stream was silent for longer than {:?}",
+                        provider.stream_idle_timeout
+                    ))
+                }
+                Ok(Err(e)) => break Err(e.to_string()),
+                Ok(Ok(None)) => break Ok(()),
+                Ok(Ok(Some(chunk))) => {
+                    live.recording.push(chunk);
+                    live.recording.wait_for_room().await;
+                }
+            }
+        };
+        live.recording.finish(end.clone());
+        if let Some(renew) = renew {
+            renew.abort();
+        }
+        if let Some(mirror) = mirror {
+            // The mirror's end marker goes out before the job settles, so a follower that
+            // sees the job settled has also seen every chunk.
+            let _ = mirror.await;
+        }
+        let Some(id) = &self.job_id else { return };
+        let transition = match &end {
+            Ok(()) => Transition::EndStream {
+                n,
+                response: live.stored(),
+            },
+            Err(reason) => {
+                warn!(job_id = %id, attempt = n, reason = %reason, "stream cut; its attempt failed and the client sees an aborted body");
+                Transition::CutStream {
+                    n,
+                    error: reason.clone(),
+                }
+            }
+        };
+        match self.gw.apply(id, transition).await {
+            Ok(Applied {
+                outcome: Ok(Effect::Won),
+                ..
+            }) => self.gw.metrics.attempt(&provider.name, "succeeded"),
+            Ok(Applied {
+                outcome: Ok(Effect::AttemptFailed { .. }),
+                ..
+            }) => self.gw.metrics.attempt(&provider.name, "failed"),
+            Ok(_) => {}
+            Err(e) => {
+                warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse")
+            }
+        }
+        self.gw.streams.remove(id);
+    }
+}
+
+/// Mirrors a live stream to the store chunk batch by chunk batch, then its end.
+async fn mirror(gw: Arc<Gateway>, id: JobId, live: LiveStream) {
+    let head = StreamHead {
+        status: live.status,
+        headers: live.headers.clone(),
+        n: live.n,
+        provider: live.provider.clone(),
+    };
+    let store = gw.store();
+    if let Err(e) = store.mirror_stream(&id, StreamUpdate::Head(head)).await {
+        warn!(job_id = %id, error = %e, "cannot mirror the stream; duplicates elsewhere will wait for it to settle");
+        return;
+    }
+    let mut sent = 0;
+    loop {
+        let update = match live.recording.chunks_from(sent).await {
+            Err(()) => {
+                let _ = store
+                    .mirror_stream(
+                        &id,
+                        StreamUpdate::End(Err(
+                            "the stream outgrew max_stored_response_bytes".into()
+                        )),
+                    )
+                    .await;
+                return;
+            }
+            Ok((chunks, end)) => (chunks, end),
+        };
+        let (chunks, end) = update;
+        sent += chunks.len();
+        if let Err(e) = store.mirror_stream(&id, StreamUpdate::Chunks(chunks)).await {
+            warn!(job_id = %id, error = %e, "mirroring the stream failed");
+            return;
+        }
+        if let Some(end) = end {
+            let _ = store.mirror_stream(&id, StreamUpdate::End(end)).await;
+            return;
+        }
+    }
+}
+
+/// Renews a streaming job's lease until aborted.
+async fn keep_leased(gw: Arc<Gateway>, id: JobId, version: u64) {
+    let lease = gw.config.idempotency.lease;
+    let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+    loop {
+        tick.tick().await;
+        let until = crate::clock::now() + lease;
+        if let Err(e) = gw
+            .apply(&id, Transition::RenewLease { version, until })
+            .await
+        {
+            warn!(job_id = %id, error = %e, "could not renew a streaming job's lease");
+        }
+    }
+}
