@@ -241,30 +241,17 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
 
 // ---- the default store end to end ---------------------------------------------------------
 
-fn embedded_gateway_config(primary: &str, fallback: Option<&str>, route: &str) -> String {
-    let mut text = format!(
-        "[[providers]]\nname = \"primary\"\nbase_url = \"{primary}\"\ntimeout = \"300ms\"\n"
-    );
-    let mut names = "\"primary\"".to_owned();
-    if let Some(fallback) = fallback {
-        text.push_str(&format!(
-            "[[providers]]\nname = \"fallback\"\nbase_url = \"{fallback}\"\n"
-        ));
-        names.push_str(", \"fallback\"");
-    }
-    text.push_str(&format!(
-        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [{names}]\n{route}\n"
-    ));
-    text
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_the_embedded_store_duplicates_make_one_call_and_a_late_answer_settles_an_unknown_job() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(EmbeddedStore::open(&dir.path().join("jobs.db"), POLICY).unwrap());
     let mut primary = HeldProvider::start().await;
     let gw = Arc::new(
-        TestGateway::start_on(&embedded_gateway_config(&primary.url(), None, ""), store).await,
+        TestGateway::start_on(
+            &two_provider_config(&primary.url(), "timeout = \"300ms\"", None, ""),
+            store,
+        )
+        .await,
     );
 
     // Twenty concurrent duplicates, held at the provider past the timeout: one call, one
@@ -306,12 +293,12 @@ async fn on_the_embedded_store_a_hedged_primary_that_answers_last_loses() {
     let store = Arc::new(EmbeddedStore::open(&dir.path().join("jobs.db"), POLICY).unwrap());
     let mut primary = HeldProvider::start().await;
     let mut fallback = HeldProvider::start().await;
-    let config = embedded_gateway_config(
+    let config = two_provider_config(
         &primary.url(),
+        "",
         Some(&fallback.url()),
         "hedge_after = \"50ms\"",
-    )
-    .replace("timeout = \"300ms\"", "timeout = \"30s\"");
+    );
     let gw = Arc::new(TestGateway::start_on(&config, store).await);
     let client = {
         let gw = gw.clone();

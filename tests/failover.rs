@@ -12,20 +12,6 @@ use wiremock::{Mock, MockServer, ResponseTemplate};
 
 const CHAT: &str = "/v1/chat/completions";
 
-fn completion() -> ResponseTemplate {
-    ResponseTemplate::new(200)
-        .set_body_raw(fixture("openai-chat-completion.json"), "application/json")
-}
-
-async fn answering(template: ResponseTemplate) -> MockServer {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(template)
-        .mount(&server)
-        .await;
-    server
-}
-
 /// Providers (name, url, extra keys) and one route over `route_providers`.
 fn config(providers: &[(&str, &str, &str)], route_providers: &[&str], route: &str) -> String {
     let mut text = String::from("[store]\nkind = \"memory\"\n");

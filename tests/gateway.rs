@@ -14,21 +14,6 @@ use wiremock::{Mock, MockServer, ResponseTemplate};
 
 const CHAT: &str = "/v1/chat/completions";
 
-fn completion() -> ResponseTemplate {
-    ResponseTemplate::new(200)
-        .set_body_raw(fixture("openai-chat-completion.json"), "application/json")
-        .insert_header("x-request-id", "req_primary")
-}
-
-async fn provider_answering(template: ResponseTemplate) -> MockServer {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(template)
-        .mount(&server)
-        .await;
-    server
-}
-
 /// One route `chat` over `providers` (name, url, timeout), with extra route keys.
 fn config(providers: &[(&str, &str, &str)], route: &str) -> String {
     let mut text = String::from("[store]\nkind = \"memory\"\n");
@@ -107,7 +92,7 @@ async fn fifty_concurrent_duplicates_make_one_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_with_different_body_is_a_conflict_and_reordered_json_is_a_replay() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let first = gw.post(CHAT, Some("k-reuse"), chat_request()).await;
     assert_eq!(first.status, 200);
@@ -197,7 +182,7 @@ async fn a_duplicate_still_running_after_the_wait_gets_request_in_progress() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_is_unknown_blocks_attempts_and_the_late_answer_settles_it() {
     let mut primary = HeldProvider::start().await;
-    let fallback = provider_answering(completion()).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &primary.url(), "300ms"),
@@ -251,8 +236,8 @@ async fn timeout_is_unknown_blocks_attempts_and_the_late_answer_settles_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_504_is_unknown_not_a_failover() {
-    let primary = provider_answering(ResponseTemplate::new(504)).await;
-    let fallback = provider_answering(completion()).await;
+    let primary = answering(ResponseTemplate::new(504)).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &primary.uri(), "30s"),
@@ -321,7 +306,7 @@ async fn hedged_primary_that_answers_last_loses_the_race() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_hedge_while_the_primary_is_answering() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let mut fallback = HeldProvider::start().await;
     let gw = TestGateway::start(&config(
         &[
@@ -343,12 +328,12 @@ async fn no_hedge_while_the_primary_is_answering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_on_503_goes_to_the_fallback() {
-    let primary = provider_answering(
+    let primary = answering(
         ResponseTemplate::new(503)
             .set_body_raw(fixture("openai-error-500.json"), "application/json"),
     )
     .await;
-    let fallback = provider_answering(completion()).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &primary.uri(), "30s"),
@@ -375,7 +360,7 @@ async fn failover_on_503_goes_to_the_fallback() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_on_connection_refused() {
     let dead = closed_port().await;
-    let fallback = provider_answering(completion()).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &format!("http://{dead}"), "30s"),
@@ -399,11 +384,9 @@ async fn failover_on_connection_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_400_is_final_stored_and_replayed_without_failover() {
     let error = fixture("openai-error-400-context-length.json");
-    let primary = provider_answering(
-        ResponseTemplate::new(400).set_body_raw(error.clone(), "application/json"),
-    )
-    .await;
-    let fallback = provider_answering(completion()).await;
+    let primary =
+        answering(ResponseTemplate::new(400).set_body_raw(error.clone(), "application/json")).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &primary.uri(), "30s"),
@@ -433,8 +416,7 @@ async fn a_400_is_final_stored_and_replayed_without_failover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_providers_failing_fails_the_job_and_a_retry_opens_a_new_round() {
     let primary = MockServer::start().await;
-    let fallback =
-        provider_answering(ResponseTemplate::new(503).set_body_string("fallback down")).await;
+    let fallback = answering(ResponseTemplate::new(503).set_body_string("fallback down")).await;
     Mock::given(method("POST"))
         .respond_with(
             ResponseTemplate::new(500)
@@ -514,7 +496,7 @@ async fn no_provider_answering_is_all_providers_failed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_gateway_died_is_unknown_once_its_lease_lapses() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     // Another gateway claimed the key, started an attempt, and died: its lease runs out.
     let mut headers = http::HeaderMap::new();
@@ -562,7 +544,7 @@ async fn a_job_whose_gateway_died_is_unknown_once_its_lease_lapses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_clients_are_served() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -635,7 +617,7 @@ async fn cancel_of_an_unknown_job_lets_a_retry_run_and_discards_the_late_answer(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bearer_owners_are_isolated() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let headers =
         |auth: &'static str| vec![("authorization", auth), ("idempotency-key", "shared-key")];
@@ -671,7 +653,7 @@ async fn bearer_owners_are_isolated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_owners_are_isolated_and_required() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&format!(
         "[idempotency]\nowner = \"header:X-Owner-Id\"\n{}",
         config(&[("primary", &primary.uri(), "30s")], "")
@@ -718,7 +700,7 @@ async fn header_owners_are_isolated_and_required() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_their_problem_and_touch_nothing() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let auth = ("authorization", "Bearer sk-client-1");
     let too_long = "k".repeat(256);
@@ -832,7 +814,7 @@ async fn bad_inputs_get_their_problem_and_touch_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_are_identical_to_the_first_answer() {
-    let primary = provider_answering(
+    let primary = answering(
         completion()
             .insert_header("openai-processing-ms", "312")
             .insert_header("x-ratelimit-remaining-requests", "9999")
@@ -900,8 +882,8 @@ async fn safe_methods_and_off_routes_pass_through_without_jobs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_match_models_by_glob() {
-    let gpt = provider_answering(ResponseTemplate::new(200).set_body_string("gpt")).await;
-    let claude = provider_answering(ResponseTemplate::new(200).set_body_string("claude")).await;
+    let gpt = answering(ResponseTemplate::new(200).set_body_string("gpt")).await;
+    let claude = answering(ResponseTemplate::new(200).set_body_string("claude")).await;
     let gw = TestGateway::start(&format!(
         "[store]\nkind = \"memory\"\n\
          [[providers]]\nname = \"gpt\"\nbase_url = \"{}\"\n\
@@ -932,8 +914,8 @@ async fn routes_match_models_by_glob() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optional_routes_run_keyless_requests_without_a_job() {
-    let primary = provider_answering(ResponseTemplate::new(503)).await;
-    let fallback = provider_answering(completion()).await;
+    let primary = answering(ResponseTemplate::new(503)).await;
+    let fallback = answering(completion()).await;
     let gw = TestGateway::start(&config(
         &[
             ("primary", &primary.uri(), "30s"),
@@ -957,7 +939,7 @@ async fn optional_routes_run_keyless_requests_without_a_job() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_requests_carry_the_provider_rewrites_and_the_job_id() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     std::env::set_var("IDEMGATE_TEST_PROVIDER_KEY", "sk-provider");
     let gw = TestGateway::start(&config(&[("primary", &format!("{}/api/", primary.uri()), "30s")], "")
         .replace(
@@ -980,7 +962,7 @@ async fn upstream_requests_carry_the_provider_rewrites_and_the_job_id() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_api_needs_its_token() {
-    let primary = provider_answering(completion()).await;
+    let primary = answering(completion()).await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let c = client();
     let get = |path: &str, auth: Option<&str>| {

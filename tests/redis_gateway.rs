@@ -35,30 +35,23 @@ async fn store(server: &RedisServer) -> Arc<RedisStore> {
     Arc::new(RedisStore::open(&config, POLICY).await.unwrap())
 }
 
-fn config(primary: &str, fallback: Option<&str>, route: &str) -> String {
-    let mut text = format!("[[providers]]\nname = \"primary\"\nbase_url = \"{primary}\"\n");
-    let mut names = "\"primary\"".to_owned();
-    if let Some(fallback) = fallback {
-        text.push_str(&format!(
-            "[[providers]]\nname = \"fallback\"\nbase_url = \"{fallback}\"\n"
-        ));
-        names.push_str(", \"fallback\"");
-    }
-    text.push_str(&format!(
-        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [{names}]\n{route}\n"
-    ));
-    text
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
     let server = RedisServer::start().await;
     let mut primary = HeldProvider::start().await;
     let a = Arc::new(
-        TestGateway::start_on(&config(&primary.url(), None, ""), store(&server).await).await,
+        TestGateway::start_on(
+            &two_provider_config(&primary.url(), "", None, ""),
+            store(&server).await,
+        )
+        .await,
     );
     let b = Arc::new(
-        TestGateway::start_on(&config(&primary.url(), None, ""), store(&server).await).await,
+        TestGateway::start_on(
+            &two_provider_config(&primary.url(), "", None, ""),
+            store(&server).await,
+        )
+        .await,
     );
     let mut clicks = Vec::new();
     for i in 0..50 {
@@ -88,8 +81,9 @@ async fn a_hedged_race_across_instances_has_one_winner() {
     let server = RedisServer::start().await;
     let mut primary = HeldProvider::start().await;
     let mut fallback = HeldProvider::start().await;
-    let route = config(
+    let route = two_provider_config(
         &primary.url(),
+        "",
         Some(&fallback.url()),
         "hedge_after = \"100ms\"",
     );
@@ -138,7 +132,11 @@ async fn redis_down_fails_closed_and_traffic_resumes_when_it_is_back() {
         .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
         .mount(&provider)
         .await;
-    let gw = TestGateway::start_on(&config(&provider.uri(), None, ""), store(&server).await).await;
+    let gw = TestGateway::start_on(
+        &two_provider_config(&provider.uri(), "", None, ""),
+        store(&server).await,
+    )
+    .await;
     assert_eq!(
         gw.post(CHAT, Some("k-before"), chat_request()).await.status,
         200
@@ -200,7 +198,7 @@ async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
         .await;
     let redis = store(&server).await;
     let gw = TestGateway::start_on(
-        &config(&provider.uri(), None, ""),
+        &two_provider_config(&provider.uri(), "", None, ""),
         redis.clone() as Arc<dyn JobStore>,
     )
     .await;
@@ -280,7 +278,7 @@ async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
             "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
              [store]\nkind = \"redis\"\nurl = \"{}\"\n[idempotency]\nlease = \"300ms\"\n{}",
             server.url(),
-            config(&provider.url(), None, "")
+            two_provider_config(&provider.url(), "", None, "")
         ),
     )
     .unwrap();
@@ -304,7 +302,7 @@ async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
     let survivor = TestGateway::start_on(
         &format!(
             "[idempotency]\nlease = \"300ms\"\n{}",
-            config(&provider.url(), None, "")
+            two_provider_config(&provider.url(), "", None, "")
         ),
         store(&server).await,
     )
@@ -323,7 +321,7 @@ async fn keys_live_for_retention_after_settling_and_longer_while_unsettled() {
     // The gateway's retention matches the store's POLICY: 1h, and 10m for late answers.
     let route = format!(
         "[idempotency]\nretention = \"1h\"\n{}",
-        config(&provider.url(), None, "")
+        two_provider_config(&provider.url(), "", None, "")
     );
     let gw = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
     let mut c = server.connection().await;

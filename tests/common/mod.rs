@@ -380,6 +380,46 @@ impl HeldProvider {
     }
 }
 
+/// The completion fixture as a provider's 200.
+pub fn completion() -> wiremock::ResponseTemplate {
+    wiremock::ResponseTemplate::new(200)
+        .set_body_raw(fixture("openai-chat-completion.json"), "application/json")
+        .insert_header("x-request-id", "req_primary")
+}
+
+/// A provider that answers every POST with `template`.
+pub async fn answering(template: wiremock::ResponseTemplate) -> wiremock::MockServer {
+    let server = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(template)
+        .mount(&server)
+        .await;
+    server
+}
+
+/// Providers `primary` (with `primary_extra` keys) and, when given, `fallback`, behind one
+/// route `chat` on `/v1` with `route` keys.
+pub fn two_provider_config(
+    primary: &str,
+    primary_extra: &str,
+    fallback: Option<&str>,
+    route: &str,
+) -> String {
+    let mut text =
+        format!("[[providers]]\nname = \"primary\"\nbase_url = \"{primary}\"\n{primary_extra}\n");
+    let mut names = "\"primary\"".to_owned();
+    if let Some(fallback) = fallback {
+        text.push_str(&format!(
+            "[[providers]]\nname = \"fallback\"\nbase_url = \"{fallback}\"\n"
+        ));
+        names.push_str(", \"fallback\"");
+    }
+    text.push_str(&format!(
+        "[[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [{names}]\n{route}\n"
+    ));
+    text
+}
+
 /// How many requests a wiremock server received.
 pub async fn received(server: &wiremock::MockServer) -> usize {
     server.received_requests().await.map_or(0, |r| r.len())
