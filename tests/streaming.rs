@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,9 +15,6 @@ use http::{Method, Request};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -35,45 +31,25 @@ struct StreamingProvider {
 
 impl StreamingProvider {
     async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let (tx, calls) = mpsc::unbounded_channel();
-        let count = Arc::new(AtomicUsize::new(0));
-        let counter = count.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
-                };
-                let tx = tx.clone();
-                let counter = counter.clone();
-                let service = service_fn(move |request: Request<Incoming>| {
-                    let tx = tx.clone();
-                    let counter = counter.clone();
-                    async move {
-                        let _ = request.into_body().collect().await;
-                        counter.fetch_add(1, Ordering::SeqCst);
-                        let (chunks, rx) = mpsc::unbounded_channel::<Chunk>();
-                        let _ = tx.send(chunks);
-                        let body = StreamBody::new(futures_util::stream::unfold(
-                            rx,
-                            |mut rx| async move { rx.recv().await.map(|chunk| (chunk, rx)) },
-                        ));
-                        let response = hyper::Response::builder()
-                            .header("content-type", "text/event-stream")
-                            .header("x-request-id", "req_stream")
-                            .body(body)
-                            .unwrap();
-                        Ok::<_, Infallible>(response)
-                    }
-                });
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
+        let (addr, count) = serve_provider(move |request: Request<Incoming>| {
+            let tx = tx.clone();
+            async move {
+                let _ = request.into_body().collect().await;
+                let (chunks, rx) = mpsc::unbounded_channel::<Chunk>();
+                let _ = tx.send(chunks);
+                let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+                    rx.recv().await.map(|chunk| (chunk, rx))
+                }));
+                let response = hyper::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .header("x-request-id", "req_stream")
+                    .body(body)
+                    .unwrap();
+                Ok(response)
             }
-        });
+        })
+        .await;
         Self { addr, calls, count }
     }
 

@@ -300,60 +300,71 @@ impl HeldCall {
     }
 }
 
+/// A provider on a free port: every request is counted, then answered by `handler`, each
+/// connection served over HTTP/1.1 until the test ends. Returns its address and the count.
+pub async fn serve_provider<H, F, B>(handler: H) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Result<hyper::Response<B>, std::io::Error>> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = count.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (handler, counter) = (handler.clone(), counter.clone());
+            let service = service_fn(move |request: Request<Incoming>| {
+                counter.fetch_add(1, Ordering::SeqCst);
+                handler(request)
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, count)
+}
+
 impl HeldProvider {
     pub async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let (tx, calls) = mpsc::unbounded_channel();
-        let count = Arc::new(AtomicUsize::new(0));
-        let counter = count.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
+        let (addr, count) = serve_provider(move |request: Request<Incoming>| {
+            let tx = tx.clone();
+            async move {
+                let (parts, body) = request.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map_err(std::io::Error::other)?
+                    .to_bytes();
+                let (reply, answer) = oneshot::channel();
+                let _ = tx.send(HeldCall {
+                    headers: parts.headers,
+                    body,
+                    reply,
+                });
+                // A dropped call closes the connection without an answer.
+                let (status, headers, body) = match answer.await {
+                    Ok(answer) => answer,
+                    Err(_) => return Err(std::io::Error::other("dropped")),
                 };
-                let tx = tx.clone();
-                let counter = counter.clone();
-                let service = service_fn(move |request: Request<Incoming>| {
-                    let tx = tx.clone();
-                    let counter = counter.clone();
-                    async move {
-                        let (parts, body) = request.into_parts();
-                        let body = body
-                            .collect()
-                            .await
-                            .map_err(std::io::Error::other)?
-                            .to_bytes();
-                        counter.fetch_add(1, Ordering::SeqCst);
-                        let (reply, answer) = oneshot::channel();
-                        let _ = tx.send(HeldCall {
-                            headers: parts.headers,
-                            body,
-                            reply,
-                        });
-                        // A dropped call closes the connection without an answer.
-                        let (status, headers, body) = match answer.await {
-                            Ok(answer) => answer,
-                            Err(_) => return Err(std::io::Error::other("dropped")),
-                        };
-                        let mut response = hyper::Response::new(Full::new(body));
-                        *response.status_mut() = StatusCode::from_u16(status).unwrap();
-                        for (k, v) in headers {
-                            response.headers_mut().insert(
-                                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                                v.parse().unwrap(),
-                            );
-                        }
-                        Ok::<_, std::io::Error>(response)
-                    }
-                });
-                tokio::spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
+                let mut response = hyper::Response::new(Full::new(body));
+                *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                for (k, v) in headers {
+                    response.headers_mut().insert(
+                        http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                        v.parse().unwrap(),
+                    );
+                }
+                Ok(response)
             }
-        });
+        })
+        .await;
         Self { addr, calls, count }
     }
 
