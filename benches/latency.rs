@@ -68,19 +68,10 @@ async fn measure(
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = support::runtime();
     runtime.block_on(async {
         let upstream = provider().await;
-        let config = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nkind = \"memory\"\n\
-             [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
-             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
-        );
-        let config = idemgate::Config::parse(&config, "bench").unwrap();
+        let config = support::config(&upstream, "[store]\nkind = \"memory\"");
         let running = idemgate::start(config).await.unwrap();
         let gateway = format!("http://{}/v1/chat/completions", running.addr);
         let direct_url = format!("{upstream}/v1/chat/completions");

@@ -96,19 +96,11 @@ fn row(mut samples: Vec<Duration>, elapsed: Duration) -> Row {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = support::runtime();
     runtime.block_on(async {
         let upstream = provider().await;
-        let config = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\n\
-             [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
-             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
-        );
-        let config = Arc::new(idemgate::Config::parse(&config, "bench").unwrap());
+        let config = support::config(&upstream, "");
+        let config = Arc::new(config);
         let policy = ExpiryPolicy {
             retention: Duration::from_secs(3600),
             late_result_window: Duration::from_secs(600),

@@ -6,6 +6,8 @@
 //! The provider sends the first SSE event at once and the rest after 2 ms, so the first
 //! byte is measured while the stream is still live, as a client sees it.
 
+mod support;
+
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
@@ -98,21 +100,11 @@ fn percentile(samples: &mut [Duration], p: usize) -> Duration {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = support::runtime();
     runtime.block_on(async {
         let upstream = provider().await;
-        let config = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nkind = \"memory\"\n\
-             [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
-             [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
-        );
-        let running = idemgate::start(idemgate::Config::parse(&config, "bench").unwrap())
-            .await
-            .unwrap();
+        let config = support::config(&upstream, "[store]\nkind = \"memory\"");
+        let running = idemgate::start(config).await.unwrap();
         let gateway = format!("http://{}/v1/chat/completions", running.addr);
         let direct_url = format!("{upstream}/v1/chat/completions");
         let client = Client::builder(TokioExecutor::new()).build_http();

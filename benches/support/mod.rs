@@ -1,6 +1,9 @@
 //! What the benches share: a local provider that answers at once, so the figures measure
 //! the gateway and not the provider.
 
+// Each bench uses a part of this module.
+#![allow(dead_code)]
+
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
@@ -36,4 +39,24 @@ pub(crate) async fn provider() -> String {
         }
     });
     format!("http://{addr}")
+}
+
+/// The runtime every bench runs on: two workers, as on the machines it is measured on.
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A gateway config with one route `chat` on `/v1` over one provider at `upstream`, on
+/// `store` (a `[store]` table, or "" for the default).
+pub(crate) fn config(upstream: &str, store: &str) -> idemgate::Config {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n{store}\n\
+         [[providers]]\nname = \"p\"\nbase_url = \"{upstream}\"\n\
+         [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"p\"]\n"
+    );
+    idemgate::Config::parse(&text, "bench").unwrap()
 }
