@@ -9,23 +9,23 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::body::{self, Body};
-use crate::error::{Problem, ProblemKind};
-use crate::gateway::Gateway;
+use crate::engine::Engine;
+use crate::error::{Cause, Problem};
 use crate::job::{Attempt, JobRecord, Rejection, Transition};
 use crate::store::StoreError;
 
 #[derive(Debug)]
 pub struct Admin {
-    gateway: Arc<Gateway>,
+    engine: Arc<Engine>,
     /// SHA-256 of the token: compared digest to digest, so the comparison time says
     /// nothing about the token.
     token_digest: Option<[u8; 32]>,
 }
 
 impl Admin {
-    pub fn new(gateway: Arc<Gateway>, token: Option<String>) -> Self {
+    pub fn new(engine: Arc<Engine>, token: Option<String>) -> Self {
         Self {
-            gateway,
+            engine,
             token_digest: token
                 .filter(|t| !t.is_empty())
                 .map(|t| Sha256::digest(t.as_bytes()).into()),
@@ -49,16 +49,16 @@ impl Admin {
             (&Method::GET, "/metrics") => {
                 // A store that cannot list its unknown jobs still gets its other metrics out.
                 let unknown = self
-                    .gateway
-                    .store
+                    .engine
+                    .store()
                     .unknown_jobs(None, usize::MAX)
                     .await
                     .ok()
                     .map(|ids| ids.len());
                 let text = self
-                    .gateway
-                    .metrics
-                    .render(unknown, &self.gateway.breakers.views());
+                    .engine
+                    .metrics()
+                    .render(unknown, &self.engine.breakers().views());
                 let mut response = Response::new(body::full(text));
                 response.headers_mut().insert(
                     http::header::CONTENT_TYPE,
@@ -69,16 +69,16 @@ impl Admin {
                 return Ok(response);
             }
             (&Method::GET, "/readyz") => {
-                return match self.gateway.store.ping().await {
+                return match self.engine.store().ping().await {
                     Ok(()) => Ok(json_response(StatusCode::OK, json!({"status": "ready"}))),
-                    Err(e) => Err(Problem::new(ProblemKind::StoreUnavailable, e.to_string())),
+                    Err(e) => Err(Cause::Store(e).into()),
                 }
             }
             _ => {}
         }
         self.authorize(&request)?;
         if method == Method::GET && path == "/providers" {
-            let providers = self.gateway.breakers.views();
+            let providers = self.engine.breakers().views();
             return Ok(json_response(
                 StatusCode::OK,
                 json!({ "providers": providers }),
@@ -90,13 +90,13 @@ impl Admin {
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
         match (&method, segments.as_slice()) {
             (&Method::GET, ["jobs", id]) => {
-                let record = self.gateway.store.get(id).await.map_err(store_problem)?;
+                let record = self.engine.store().get(id).await.map_err(store_problem)?;
                 let record = record.ok_or_else(|| not_found(id))?;
                 Ok(json_response(StatusCode::OK, job_view(&record)))
             }
             (&Method::POST, ["jobs", id, "cancel"]) => {
                 // Which attempts the cancel resolves, for the attempts counter.
-                let live: Vec<String> = match self.gateway.store.get(id).await {
+                let live: Vec<String> = match self.engine.store().get(id).await {
                     Ok(Some(record)) => record
                         .attempts
                         .iter()
@@ -106,7 +106,7 @@ impl Admin {
                     _ => Vec::new(),
                 };
                 let applied =
-                    self.gateway
+                    self.engine
                         .apply(id, Transition::Cancel)
                         .await
                         .map_err(|e| match e {
@@ -116,25 +116,18 @@ impl Admin {
                 match applied.outcome {
                     Ok(_) => {
                         for provider in &live {
-                            self.gateway.metrics.attempt(provider, "cancelled");
+                            self.engine.metrics().attempt(provider, "cancelled");
                         }
                         tracing::warn!(job_id = %id, "job cancelled out of band; late answers will be discarded");
                         Ok(json_response(StatusCode::OK, job_view(&applied.record)))
                     }
-                    Err(Rejection::AlreadySettled(state)) => Err(Problem::new(
-                        ProblemKind::AlreadySettled,
-                        format!("the job is already {state}"),
-                    )
-                    .job(*id)),
-                    Err(other) => {
-                        Err(Problem::new(ProblemKind::AlreadySettled, other.to_string()).job(*id))
+                    Err(Rejection::AlreadySettled(state)) => {
+                        Err(Problem::from(Cause::AlreadySettled(state)).job(*id))
                     }
+                    Err(other) => Err(Problem::from(Cause::Internal(other.to_string())).job(*id)),
                 }
             }
-            _ => Err(Problem::new(
-                ProblemKind::NotFound,
-                format!("no admin endpoint {method} {path}"),
-            )),
+            _ => Err(Cause::NotFound(format!("no admin endpoint {method} {path}")).into()),
         }
     }
 
@@ -153,21 +146,19 @@ impl Admin {
                         .parse::<usize>()
                         .ok()
                         .filter(|l| (1..=1000).contains(l))
-                        .ok_or_else(|| {
-                            Problem::new(ProblemKind::BadRequest, "limit must be 1 to 1000")
-                        })?
+                        .ok_or(Cause::BadQuery("limit must be 1 to 1000"))?
                 }
                 "after" => after = Some(value.to_owned()),
                 _ => {}
             }
         }
         if state.as_deref() != Some("unknown") {
-            return Err(Problem::new(
-                ProblemKind::BadRequest,
+            return Err(Cause::BadQuery(
                 "only state=unknown can be listed: those are the jobs that need an operator",
-            ));
+            )
+            .into());
         }
-        let store = &self.gateway.store;
+        let store = &self.engine.store();
         let ids = store
             .unknown_jobs(after.as_deref(), limit)
             .await
@@ -194,24 +185,18 @@ impl Admin {
             .map(|t| <[u8; 32]>::from(Sha256::digest(t.trim().as_bytes())));
         match (&self.token_digest, presented) {
             (Some(expected), Some(presented)) if *expected == presented => Ok(()),
-            (None, _) => Err(Problem::new(
-                ProblemKind::Unauthorized,
-                "the admin token is not configured (see server.admin_token_env)",
-            )),
-            _ => Err(Problem::new(
-                ProblemKind::Unauthorized,
-                "a valid admin bearer token is required",
-            )),
+            (None, _) => Err(Cause::Unauthorized { configured: false }.into()),
+            _ => Err(Cause::Unauthorized { configured: true }.into()),
         }
     }
 }
 
 fn not_found(id: &str) -> Problem {
-    Problem::new(ProblemKind::NotFound, format!("no job {id}"))
+    Cause::NotFound(format!("no job {id}")).into()
 }
 
 fn store_problem(e: StoreError) -> Problem {
-    Problem::new(ProblemKind::StoreUnavailable, e.to_string())
+    Cause::Store(e).into()
 }
 
 fn json_response(status: StatusCode, value: Value) -> Response<Body> {

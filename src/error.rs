@@ -1,11 +1,24 @@
-//! The one place where the gateway's own errors become HTTP responses: RFC 9457
-//! `application/problem+json` bodies with the slugs of SPEC §7.
+//! The one place where the gateway's own errors become HTTP responses: typed causes in,
+//! RFC 9457 `application/problem+json` bodies with the slugs of SPEC §7 out.
+//!
+//! Every problem is built here from a [`Cause`], so the texts a client reads are written
+//! once, and a cause that carries an internal error (a store's, a bug's) is logged once with
+//! its source and answered with a generic text: store errors, file paths and addresses never
+//! reach a client's `detail`.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode};
+use http::{HeaderValue, Method, StatusCode};
 use serde::Serialize;
+use tracing::{error, warn};
+
+use crate::job::JobState;
+use crate::store::StoreError;
+
+/// How long a client should wait before asking again about a job in flight, or a store
+/// that did not answer.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Every error the gateway itself answers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +43,8 @@ pub enum ProblemKind {
     BadRequest,
     /// The job succeeded with an answer too large to keep for replay.
     ResponseNotStored,
+    /// A bug: logged with its cause, nothing internal in the body.
+    Internal,
 }
 
 impl ProblemKind {
@@ -50,6 +65,7 @@ impl ProblemKind {
             Self::AlreadySettled => "job-settled",
             Self::BadRequest => "bad-request",
             Self::ResponseNotStored => "response-not-stored",
+            Self::Internal => "internal",
         }
     }
 
@@ -69,6 +85,7 @@ impl ProblemKind {
             Self::AllProvidersFailed => StatusCode::BAD_GATEWAY,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::NoRoute | Self::NotFound => StatusCode::NOT_FOUND,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -89,8 +106,65 @@ impl ProblemKind {
             Self::AlreadySettled => "Job already settled",
             Self::BadRequest => "Bad request",
             Self::ResponseNotStored => "Response not stored",
+            Self::Internal => "Internal error",
         }
     }
+}
+
+/// Why the gateway answers with an error instead of a provider's answer.
+#[derive(Debug)]
+pub enum Cause {
+    NoRoute {
+        method: Method,
+        path: String,
+    },
+    /// The owner's header (`None`: `Authorization`) is missing.
+    MissingOwner {
+        header: Option<String>,
+    },
+    /// Why the idempotency key is not acceptable, as the key parser says it.
+    InvalidKey(String),
+    MissingKey {
+        route: String,
+        header: String,
+    },
+    TooLarge {
+        limit: usize,
+    },
+    UnreadableBody,
+    KeyReused,
+    InProgress,
+    /// The job is `unknown`: an earlier attempt may have run.
+    Unknown,
+    /// This request's own attempt timed out.
+    TimedOut,
+    /// No provider answered; the job (if any) is failed.
+    AllFailed,
+    /// The job was settled as failed by another request's round.
+    Failed,
+    /// The job was cancelled out of band while this request ran.
+    Cancelled,
+    /// The job succeeded with an answer too large to keep.
+    NotStored,
+    Store(StoreError),
+    /// A pass-through provider did not answer within its timeout.
+    UpstreamTimeout {
+        provider: String,
+        timeout: Duration,
+    },
+    /// A pass-through provider could not be reached.
+    UpstreamUnreachable {
+        provider: String,
+    },
+    /// A bug; the text is logged, never sent.
+    Internal(String),
+    // The admin API's.
+    Unauthorized {
+        configured: bool,
+    },
+    NotFound(String),
+    AlreadySettled(JobState),
+    BadQuery(&'static str),
 }
 
 /// A gateway error on its way to the client.
@@ -113,6 +187,107 @@ struct Body<'a> {
     job_id: Option<&'a str>,
 }
 
+impl From<Cause> for Problem {
+    fn from(cause: Cause) -> Self {
+        use ProblemKind as K;
+        let (kind, detail): (ProblemKind, String) = match cause {
+            Cause::NoRoute { method, path } => (K::NoRoute, format!("no route matches {method} {path}")),
+            Cause::MissingOwner { header: Some(name) } => (
+                K::MissingOwner,
+                format!("the {name} header names the owner of the key and is missing"),
+            ),
+            Cause::MissingOwner { header: None } => (
+                K::MissingOwner,
+                "an Authorization header is required: the key belongs to its owner".into(),
+            ),
+            Cause::InvalidKey(why) => (K::InvalidIdempotencyKey, why),
+            Cause::MissingKey { route, header } => (
+                K::MissingIdempotencyKey,
+                format!("route {route:?} requires an {header} header"),
+            ),
+            Cause::TooLarge { limit } => (
+                K::PayloadTooLarge,
+                format!("the request body is larger than {limit} bytes"),
+            ),
+            Cause::UnreadableBody => (
+                K::BadRequest,
+                "the request body could not be read: the connection broke off".into(),
+            ),
+            Cause::KeyReused => (
+                K::IdempotencyKeyReused,
+                "this idempotency key was used for a different request (method, path or body)".into(),
+            ),
+            Cause::InProgress => (
+                K::RequestInProgress,
+                "a request with this idempotency key is still running".into(),
+            ),
+            Cause::Unknown => (
+                K::OutcomeUnknown,
+                "an earlier attempt of this job may have run; no new attempt is made until it settles or is cancelled".into(),
+            ),
+            Cause::TimedOut => (
+                K::AttemptTimedOut,
+                "the provider did not answer in time; the request may have run. The job is unknown until its late answer lands or it is cancelled".into(),
+            ),
+            Cause::AllFailed => (
+                K::AllProvidersFailed,
+                "no provider answered; the job is failed and a retry with the same key opens a new round".into(),
+            ),
+            Cause::Failed => (
+                K::AllProvidersFailed,
+                "the job failed; a retry with the same key opens a new round".into(),
+            ),
+            Cause::Cancelled => (
+                K::OutcomeUnknown,
+                "the job was cancelled out of band while this request ran; a retry opens a new round".into(),
+            ),
+            Cause::NotStored => (
+                K::ResponseNotStored,
+                "the answer was larger than max_stored_response_bytes: it reached the request that ran the job but is not kept for replay; the job will not run again".into(),
+            ),
+            Cause::Store(e) => {
+                warn!(error = %e, source = ?std::error::Error::source(&e), "store unavailable");
+                let detail = match e {
+                    StoreError::NotFound(_) => "the job is no longer in the store",
+                    StoreError::Unavailable { .. } => {
+                        "the job store is unavailable; retry with the same key later"
+                    }
+                };
+                return Self::new(K::StoreUnavailable, detail).retry_after(RETRY_AFTER);
+            }
+            Cause::UpstreamTimeout { provider, timeout } => (
+                K::AttemptTimedOut,
+                format!("provider {provider:?} did not answer within {timeout:?}"),
+            ),
+            Cause::UpstreamUnreachable { provider } => (
+                K::AllProvidersFailed,
+                format!("provider {provider:?} could not be reached"),
+            ),
+            Cause::Internal(what) => {
+                error!(cause = %what, "internal error");
+                (K::Internal, "an internal error occurred; it has been logged".into())
+            }
+            Cause::Unauthorized { configured: false } => (
+                K::Unauthorized,
+                "the admin token is not configured (see server.admin_token_env)".into(),
+            ),
+            Cause::Unauthorized { configured: true } => (
+                K::Unauthorized,
+                "a valid admin bearer token is required".into(),
+            ),
+            Cause::NotFound(what) => (K::NotFound, what),
+            Cause::AlreadySettled(state) => (K::AlreadySettled, format!("the job is already {state}")),
+            Cause::BadQuery(why) => (K::BadRequest, why.into()),
+        };
+        let problem = Self::new(kind, detail);
+        if kind == K::RequestInProgress {
+            problem.retry_after(RETRY_AFTER)
+        } else {
+            problem
+        }
+    }
+}
+
 impl Problem {
     pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
@@ -126,6 +301,14 @@ impl Problem {
     pub fn job(mut self, job_id: impl Into<String>) -> Self {
         self.job_id = Some(job_id.into());
         self
+    }
+
+    /// Names the job when there is one.
+    pub fn maybe_job(self, job_id: Option<&str>) -> Self {
+        match job_id {
+            Some(id) => self.job(id),
+            None => self,
+        }
     }
 
     pub fn retry_after(mut self, after: Duration) -> Self {
@@ -180,20 +363,38 @@ mod tests {
 
     #[test]
     fn problems_are_rfc9457_with_the_spec_slugs() {
-        let p = Problem::new(ProblemKind::AttemptTimedOut, "timed out").job("job_1");
+        let p = Problem::from(Cause::TimedOut).job("job_1");
         let v: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
         assert_eq!(v["type"], "urn:idemgate:outcome-unknown");
         assert_eq!(v["status"], 504);
         assert_eq!(v["job_id"], "job_1");
-        assert_eq!(v["detail"], "timed out");
-        let r = Problem::new(ProblemKind::RequestInProgress, "wait")
-            .retry_after(Duration::from_secs(2))
-            .into_response();
+        let r = Problem::from(Cause::InProgress).into_response();
         assert_eq!(r.status(), 409);
         assert_eq!(r.headers()["content-type"], "application/problem+json");
-        assert_eq!(r.headers()["retry-after"], "2");
-        let v: serde_json::Value =
-            serde_json::from_slice(&Problem::new(ProblemKind::NoRoute, "x").body()).unwrap();
+        assert_eq!(r.headers()["retry-after"], "1");
+        let v: serde_json::Value = serde_json::from_slice(
+            &Problem::from(Cause::NoRoute {
+                method: Method::POST,
+                path: "/x".into(),
+            })
+            .body(),
+        )
+        .unwrap();
         assert!(v.get("job_id").is_none());
+    }
+
+    #[test]
+    fn internal_causes_never_reach_the_detail() {
+        let store = StoreError::unavailable(
+            "redis",
+            std::io::Error::other("connection refused to 10.1.2.3:6379 (/var/lib/x)"),
+        );
+        let p = Problem::from(Cause::Store(store));
+        assert_eq!(p.kind, ProblemKind::StoreUnavailable);
+        assert!(!p.detail.contains("10.1.2.3") && !p.detail.contains("/var"));
+        assert_eq!(p.retry_after, Some(RETRY_AFTER));
+        let p = Problem::from(Cause::Internal("panicked at src/x.rs:1".into()));
+        assert_eq!(p.status(), 500);
+        assert!(!p.detail.contains("src/x.rs"));
     }
 }

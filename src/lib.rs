@@ -34,12 +34,12 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 pub mod admin;
-mod attempts;
 pub mod body;
 pub mod breaker;
 pub mod clock;
 pub mod config;
 pub mod contract;
+pub mod engine;
 pub mod error;
 pub mod gateway;
 pub mod headers;
@@ -53,6 +53,7 @@ pub mod stream;
 pub mod upstream;
 
 pub use config::Config;
+pub use engine::Engine;
 pub use gateway::Gateway;
 
 /// Why a gateway could not start.
@@ -91,7 +92,7 @@ impl Running {
 /// Opens the store, binds the listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let config = Arc::new(config);
-    let store = store::open(&config.store, Gateway::expiry_policy(&config)).await?;
+    let store = store::open(&config.store, Engine::expiry_policy(&config)).await?;
     start_with_store(config, store).await
 }
 
@@ -110,7 +111,9 @@ pub async fn start_with_store(
         None => None,
     };
     let admin_addr = admin_listener.as_ref().and_then(|l| l.local_addr().ok());
-    let gateway = Gateway::new(config.clone(), store);
+    let upstream = upstream::Upstream::new(&config.providers);
+    let engine = Engine::new(config.clone(), store, upstream);
+    let gateway = Gateway::new(engine.clone());
     let (shutdown, watch) = watch::channel(false);
     let grace = config.server.shutdown_grace;
 
@@ -128,16 +131,17 @@ pub async fn start_with_store(
         if token.is_none() {
             tracing::warn!(env = %config.server.admin_token_env, "no admin token set: the admin API answers 401 except /healthz and /readyz");
         }
-        let admin = Arc::new(admin::Admin::new(gateway.clone(), token));
+        let admin = Arc::new(admin::Admin::new(engine.clone(), token));
         tokio::spawn(server::serve(listener, move |request| admin.clone().handle(request), watch.clone(), grace))
     });
     info!(%addr, admin = ?admin_addr, store = ?config.store.kind, "idemgate listening");
 
     let task = {
-        let gateway = gateway.clone();
+        let engine = engine.clone();
         tokio::spawn(async move {
             let _ = client.await;
-            gateway.abandon_rounds().await;
+            engine.abandon_rounds().await;
+            engine.stop();
             if let Some(admin) = admin {
                 let _ = admin.await;
             }

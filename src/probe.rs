@@ -204,27 +204,23 @@ impl ProbeResults {
     }
 }
 
-/// Probes the routes with `failover_requires_probe` now and every `probe_interval`.
-pub fn spawn_probers(config: Arc<Config>, upstream: Upstream, results: Arc<ProbeResults>) {
-    for route in config
-        .routes
-        .iter()
-        .filter(|r| r.failover_requires_probe)
-        .cloned()
-    {
-        let (config, upstream, results) = (config.clone(), upstream.clone(), results.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(route.probe_interval);
-            loop {
-                tick.tick().await;
-                let round = probe_route(&config, &upstream, &route).await;
-                for r in round.iter().filter(|r| !r.passed()) {
-                    warn!(route = %r.route, provider = %r.provider, problem = r.problem.as_deref(),
-                        "probe failed: no failover to this provider until it passes");
-                }
-                info!(route = %route.name, passed = round.iter().filter(|r| r.passed()).count(), of = round.len(), "probed");
-                results.record(&round);
-            }
-        });
+/// Probes one route with `failover_requires_probe` every `probe_interval`, for ever: the
+/// engine runs it as a task that ends when the gateway stops.
+pub async fn prober(
+    config: Arc<Config>,
+    upstream: Upstream,
+    route: Arc<Route>,
+    results: Arc<ProbeResults>,
+) {
+    let mut tick = tokio::time::interval(route.probe_interval);
+    loop {
+        tick.tick().await;
+        let round = probe_route(&config, &upstream, &route).await;
+        for r in round.iter().filter(|r| !r.passed()) {
+            warn!(route = %r.route, provider = %r.provider, problem = r.problem.as_deref(),
+                "probe failed: no failover to this provider until it passes");
+        }
+        info!(route = %route.name, passed = round.iter().filter(|r| r.passed()).count(), of = round.len(), "probed");
+        results.record(&round);
     }
 }

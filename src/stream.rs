@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 
 use crate::body::{Body, BoxError};
 use crate::job::{JobId, StoredResponse};
+use crate::store::{JobStore, MirroredStream};
 
 /// How many unread chunks an overflowed recording holds before the upstream read waits.
 pub const WINDOW: usize = 64;
@@ -256,6 +257,62 @@ impl LiveStreams {
             .filter(|s| s.recording.joinable())
             .cloned()
     }
+}
+
+/// A duplicate following a stream that another gateway relays, through the store's mirror:
+/// what was mirrored so far, then the rest, polled with a bounded lag ([`FOLLOW_LAG`]).
+pub fn follow(store: Arc<dyn JobStore>, id: JobId, first: MirroredStream) -> Body {
+    const PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+    let state = Follower {
+        store,
+        id,
+        cursor: first.chunks.len(),
+        pending: std::collections::VecDeque::from(first.chunks),
+        end: first.end,
+        progress: tokio::time::Instant::now(),
+    };
+    let chunks = futures_util::stream::unfold(Some(state), |state| async move {
+        let mut f = state?;
+        loop {
+            if let Some(chunk) = f.pending.pop_front() {
+                return Some((Ok(Frame::data(chunk)), Some(f)));
+            }
+            match f.end {
+                Some(Ok(())) => return None,
+                Some(Err(reason)) => return Some((Err(reason.into()), None)),
+                None => {}
+            }
+            if f.progress.elapsed() > PATIENCE {
+                return Some((Err("the mirrored stream stopped progressing".into()), None));
+            }
+            tokio::time::sleep(FOLLOW_LAG).await;
+            match f.store.read_stream(&f.id, f.cursor).await {
+                Ok(Some(next)) => {
+                    if !next.chunks.is_empty() || next.end.is_some() {
+                        f.progress = tokio::time::Instant::now();
+                    }
+                    f.cursor += next.chunks.len();
+                    f.pending.extend(next.chunks);
+                    f.end = next.end;
+                }
+                Ok(None) => return Some((Err("the mirrored stream is gone".into()), None)),
+                Err(e) => return Some((Err(e.to_string().into()), None)),
+            }
+        }
+    });
+    StreamBody::new(chunks).boxed_unsync()
+}
+
+/// How often a follower polls the store's mirror of a stream relayed elsewhere.
+pub const FOLLOW_LAG: std::time::Duration = std::time::Duration::from_millis(25);
+
+struct Follower {
+    store: Arc<dyn JobStore>,
+    id: JobId,
+    cursor: usize,
+    pending: std::collections::VecDeque<Bytes>,
+    end: Option<Result<(), String>>,
+    progress: tokio::time::Instant,
 }
 
 #[cfg(test)]

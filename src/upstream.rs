@@ -15,7 +15,7 @@ use hyper_util::rt::TokioExecutor;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::body::{self, Body};
+use crate::body::{self, Body, BoxError};
 use crate::config::Provider;
 use crate::headers;
 
@@ -53,21 +53,23 @@ impl Transport for Hyper {
     }
 }
 
-/// How an exchange failed before a complete response arrived.
+/// How an exchange failed before a complete response arrived. Each keeps the transport's
+/// own error as its source; the display is the whole chain on one line, for attempt records
+/// and logs (never for a client).
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// No connection could be made: the request was certainly not delivered.
-    #[error("connect: {0}")]
-    Connect(String),
+    #[error("connect: {}", chain(.0.as_ref()))]
+    Connect(#[source] BoxError),
     /// The connection broke while the request was still being sent.
-    #[error("request not sent: {0}")]
-    NotSent(String),
+    #[error("request not sent: {}", chain(.0.as_ref()))]
+    NotSent(#[source] BoxError),
     /// The request was sent and the connection broke before any response byte.
-    #[error("connection reset before a response: {0}")]
-    Reset(String),
+    #[error("connection reset before a response: {}", chain(.0.as_ref()))]
+    Reset(#[source] BoxError),
     /// The response started and then broke: the provider did the work, or some of it.
-    #[error("response broken: {0}")]
-    Broken(String),
+    #[error("response broken: {}", chain(.0.as_ref()))]
+    Broken(#[source] BoxError),
 }
 
 impl Upstream {
@@ -130,7 +132,7 @@ pub async fn read_body(
 /// the response started is [`CallError::Broken`]: the provider did (some of) the work.
 pub async fn next_data(body: &mut Body) -> Result<Option<Bytes>, CallError> {
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| CallError::Broken(chain(&*e)))?;
+        let frame = frame.map_err(CallError::Broken)?;
         if let Ok(data) = frame.into_data() {
             if !data.is_empty() {
                 return Ok(Some(data));
@@ -165,23 +167,23 @@ fn client_for(provider: &Provider) -> HttpsClient {
 }
 
 fn classify(error: hyper_util::client::legacy::Error) -> CallError {
-    let text = chain(&error);
     if error.is_connect() {
-        return CallError::Connect(text);
+        return CallError::Connect(error.into());
     }
     let mut source = error.source();
-    let mut hyper_error = None;
+    let mut not_sent = false;
     while let Some(e) = source {
         if let Some(e) = e.downcast_ref::<hyper::Error>() {
-            hyper_error = Some(e);
+            // Canceled: the pooled connection closed before the request went out.
+            not_sent = e.is_canceled() || e.is_body_write_aborted();
             break;
         }
         source = e.source();
     }
-    match hyper_error {
-        // Canceled: the pooled connection closed before the request went out.
-        Some(e) if e.is_canceled() || e.is_body_write_aborted() => CallError::NotSent(text),
-        _ => CallError::Reset(text),
+    if not_sent {
+        CallError::NotSent(error.into())
+    } else {
+        CallError::Reset(error.into())
     }
 }
 

@@ -29,10 +29,13 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use idemgate::body::{self, Body};
+use idemgate::engine::{Outcome, Submission};
+use idemgate::error::Problem;
+use idemgate::intent;
 use idemgate::job::{AttemptState, ExpiryPolicy, JobState};
 use idemgate::store::JobStore;
-use idemgate::upstream::{CallError, Exchange, Transport, Upstream};
-use idemgate::{Config, Gateway};
+use idemgate::upstream::{CallError, ClientRequest, Exchange, Transport, Upstream};
+use idemgate::{Config, Engine};
 use tokio::time::Instant;
 
 const INTENTS: usize = 6;
@@ -157,14 +160,81 @@ struct Seen {
     body: Bytes,
 }
 
-async fn request(gateway: &Arc<Gateway>, owner: &str, key: &str, payload: u8) -> Response<Body> {
-    let request = Request::post("/v1/chat/completions")
-        .header("x-owner", owner)
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(body::full(format!("{{\"prompt\":{payload}}}")))
-        .unwrap();
-    gateway.clone().handle(request).await
+/// One click, submitted to an engine as the request path would after reading it: the
+/// simulation checks the job protocol, not HTTP parsing.
+async fn submit(engine: &Arc<Engine>, owner: &str, key: &str, payload: u8) -> Outcome {
+    let body = Bytes::from(format!("{{\"prompt\":{payload}}}"));
+    let path = "/v1/chat/completions";
+    let mut headers = http::HeaderMap::new();
+    headers.insert("content-type", "application/json".parse().unwrap());
+    let config = engine.config();
+    let fingerprint =
+        intent::fingerprint("POST", path, &body, &config.idempotency.fingerprint_ignore);
+    let request = ClientRequest::new(
+        http::Method::POST,
+        path.into(),
+        headers,
+        body,
+        &config.idempotency.header,
+    );
+    engine
+        .submit(Submission {
+            route: config.routes[0].clone(),
+            owner: owner.into(),
+            key: Some(key.into()),
+            fingerprint,
+            request: Arc::new(request),
+        })
+        .await
+}
+
+/// What a client of the request path would see of an outcome.
+async fn observe(intent: usize, outcome: Outcome) -> Seen {
+    let (status, job, attempt, replayed, body) = match outcome {
+        Outcome::Answer {
+            job_id,
+            response,
+            n,
+            replayed,
+            ..
+        } => (response.status, job_id, Some(n), replayed, response.body),
+        Outcome::Stream {
+            job_id,
+            live,
+            joined,
+        } => {
+            let body = match live.recording.body(!joined).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(_) => Bytes::from_static(b"<cut>"),
+            };
+            (live.status, job_id, Some(live.n), joined, body)
+        }
+        Outcome::Follow { job_id, mirror } => (
+            mirror.head.status,
+            Some(job_id),
+            Some(mirror.head.n),
+            true,
+            Bytes::new(),
+        ),
+        Outcome::Refused { job_id, cause } => {
+            let problem = Problem::from(cause);
+            (
+                problem.status().as_u16(),
+                job_id,
+                None,
+                false,
+                problem.body(),
+            )
+        }
+    };
+    Seen {
+        intent,
+        status,
+        job,
+        attempt: attempt.map(|n| n.to_string()),
+        replayed,
+        body,
+    }
 }
 
 fn config(seed: u64) -> Arc<Config> {
@@ -200,8 +270,8 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
         world: world.clone(),
     }));
     let gateways = [
-        Gateway::with_upstream(config.clone(), store.clone(), upstream.clone()),
-        Gateway::with_upstream(config.clone(), store.clone(), upstream),
+        Engine::new(config.clone(), store.clone(), upstream.clone()),
+        Engine::new(config.clone(), store.clone(), upstream),
     ];
     let crashed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -241,31 +311,12 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
                     let gateway = gateways[g].clone();
                     let (owner, key) = (owner.clone(), key.clone());
                     clicks_done.push(tokio::spawn(async move {
-                        request(&gateway, &owner, &key, payload).await
+                        submit(&gateway, &owner, &key, payload).await
                     }));
                 }
                 for click in clicks_done {
-                    let Ok(response) = click.await else { continue };
-                    let (parts, body) = response.into_parts();
-                    let body = match body.collect().await {
-                        Ok(collected) => collected.to_bytes(),
-                        Err(_) => Bytes::from_static(b"<cut>"),
-                    };
-                    let header = |name: &str| {
-                        parts
-                            .headers
-                            .get(name)
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_owned)
-                    };
-                    let s = Seen {
-                        intent: intent * 2 + usize::from(payload),
-                        status: parts.status.as_u16(),
-                        job: header("x-idempotency-job-id"),
-                        attempt: header("x-idempotency-attempt"),
-                        replayed: header("idempotent-replayed").as_deref() == Some("true"),
-                        body,
-                    };
+                    let Ok(outcome) = click.await else { continue };
+                    let s = observe(intent * 2 + usize::from(payload), outcome).await;
                     world.trace(format!(
                         "intent {intent} payload {payload}: {} attempt {:?} replayed {} {}",
                         s.status,

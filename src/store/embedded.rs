@@ -104,7 +104,7 @@ impl EmbeddedStore {
     pub fn open(path: &Path, policy: ExpiryPolicy) -> Result<Self, StoreError> {
         let shown = path.display().to_string();
         let fail = |what: &str, e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("embedded store {shown}: {what}: {e}"))
+            StoreError::unavailable(format!("embedded store {shown}: {what}"), e.to_string())
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| fail("cannot create its directory", &e))?;
@@ -201,8 +201,8 @@ impl EmbeddedStore {
         });
     }
 
-    fn unavailable(&self, e: impl std::fmt::Display) -> StoreError {
-        StoreError::Unavailable(format!("embedded store {}: {e}", self.path.display()))
+    fn unavailable(&self, e: impl Into<crate::body::BoxError>) -> StoreError {
+        StoreError::unavailable(format!("embedded store {}", self.path.display()), e)
     }
 
     async fn submit<T>(
@@ -286,7 +286,7 @@ fn write_loop(
             }
         }
         let unavailable = |e: &dyn std::fmt::Display| {
-            StoreError::Unavailable(format!("embedded store {path}: {e}"))
+            StoreError::unavailable(format!("embedded store {path}"), e.to_string())
         };
         let result = db
             .begin_write()
@@ -385,7 +385,7 @@ impl<'t> Tables<'t> {
 
     fn run(&mut self, op: Op, policy: &ExpiryPolicy, touched: &mut Vec<JobId>) -> Done {
         let wrap = |e: Box<dyn std::error::Error + Send + Sync>| {
-            StoreError::Unavailable(format!("embedded store: {e}"))
+            StoreError::unavailable("embedded store", e)
         };
         match op {
             Op::Claim { record, now, reply } => {

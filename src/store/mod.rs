@@ -21,10 +21,28 @@ pub mod redis;
 /// The store could not answer. Never a reason to call a provider without a claim.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
+    /// What was being done, and the store's own error: kept for the logs, never shown to a
+    /// client (see [`crate::error`]).
+    #[error("store unavailable: {context}: {source}")]
+    Unavailable {
+        context: String,
+        #[source]
+        source: Arc<dyn std::error::Error + Send + Sync>,
+    },
     #[error("job {0} not found")]
     NotFound(JobId),
+}
+
+impl StoreError {
+    pub fn unavailable(
+        context: impl Into<String>,
+        source: impl Into<crate::body::BoxError>,
+    ) -> Self {
+        Self::Unavailable {
+            context: context.into(),
+            source: Arc::from(source.into()),
+        }
+    }
 }
 
 /// What a claim of (owner, key) found.
@@ -192,8 +210,7 @@ pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
 }
 
 pub(crate) fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, StoreError> {
-    postcard::from_bytes(bytes)
-        .map_err(|e| StoreError::Unavailable(format!("undecodable record: {e}")))
+    postcard::from_bytes(bytes).map_err(|e| StoreError::unavailable("undecodable record", e))
 }
 
 /// Opens the store the config names.

@@ -188,8 +188,8 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-fn unavailable(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Unavailable(format!("redis: {e}"))
+fn unavailable(e: impl Into<crate::body::BoxError>) -> StoreError {
+    StoreError::unavailable("redis", e)
 }
 
 impl RedisStore {

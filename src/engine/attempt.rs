@@ -7,9 +7,9 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use super::Engine;
 use crate::body::Body;
 use crate::config::Route;
-use crate::gateway::Gateway;
 use crate::job::{Effect, Failure, JobId, StoredResponse, Transition};
 use crate::store::{Applied, StoreError};
 use crate::stream::LiveStream;
@@ -76,7 +76,7 @@ pub(super) enum Done {
 
 /// One attempt: the upstream call, its classification, and its own settlement.
 pub(super) struct AttemptTask {
-    pub(super) gw: Arc<Gateway>,
+    pub(super) engine: Arc<Engine>,
     pub(super) route: Arc<Route>,
     pub(super) job_id: Option<JobId>,
     /// The job version the round read (0 for keyless rounds).
@@ -89,12 +89,12 @@ pub(super) struct AttemptTask {
 
 impl AttemptTask {
     pub(super) async fn run(self) {
-        let provider = self.gw.config.provider(self.provider_index).clone();
+        let provider = self.engine.config().provider(self.provider_index).clone();
         let request = self.request.for_provider(&provider, self.job_id.as_deref());
         let events = self.events.clone();
         let n = self.n;
-        let limit = self.gw.config.server.max_stored_response_bytes;
-        let upstream = self.gw.upstream.clone();
+        let limit = self.engine.config().server.max_stored_response_bytes;
+        let upstream = self.engine.upstream().clone();
         let index = self.provider_index;
         let exchange = async move {
             let response = upstream.send(index, request).await?;
@@ -121,7 +121,7 @@ impl AttemptTask {
         // A job's call is kept alive for its late answer; a keyless call has nobody to
         // settle for once its round gave up.
         let patience = if self.job_id.is_some() {
-            self.gw
+            self.engine
                 .config
                 .idempotency
                 .late_result_window
@@ -129,7 +129,7 @@ impl AttemptTask {
         } else {
             provider.timeout
         };
-        let sent = std::time::Instant::now();
+        let sent = tokio::time::Instant::now();
         let outcome = match tokio::time::timeout(patience, exchange).await {
             Err(_) => Outcome::Unknown("no answer within late_result_window".into()),
             Ok(Ok(Answer::Whole(head, body))) => self.classify_answer(StoredResponse {
@@ -139,19 +139,19 @@ impl AttemptTask {
                 body_omitted: false,
             }),
             Ok(Ok(Answer::Stream(head, prefix, body))) => {
-                self.gw.metrics.upstream(&provider.name, sent.elapsed());
+                self.engine.metrics.upstream(&provider.name, sent.elapsed());
                 return self.relay(&provider, head, prefix, body).await;
             }
             Ok(Err(error)) => self.classify_error(error),
         };
-        self.gw.metrics.upstream(&provider.name, sent.elapsed());
+        self.engine.metrics.upstream(&provider.name, sent.elapsed());
         let result = match &outcome {
             Outcome::Final(_) => {
-                self.gw.breakers.record_success(index);
+                self.engine.breakers.record_success(index);
                 "succeeded"
             }
             Outcome::Definite { kind, .. } => {
-                self.gw.breakers.record_failure(index);
+                self.engine.breakers.record_failure(index);
                 match kind {
                     Failure::Failed => "failed",
                     Failure::ContractRejected => "contract_rejected",
@@ -162,11 +162,11 @@ impl AttemptTask {
         let done = self.settle(outcome).await;
         match &done {
             Done::Lost => {
-                self.gw.metrics.race_lost(&provider.name);
-                self.gw.metrics.attempt(&provider.name, "lost_race");
+                self.engine.metrics.race_lost(&provider.name);
+                self.engine.metrics.attempt(&provider.name, "lost_race");
             }
             Done::Discarded | Done::Store(_) => {}
-            _ => self.gw.metrics.attempt(&provider.name, result),
+            _ => self.engine.metrics.attempt(&provider.name, result),
         }
         // The round may have ended already (after a timeout): then nobody listens.
         let _ = self.events.send(Event::Done(self.n, done));
@@ -219,7 +219,9 @@ impl AttemptTask {
                 error: text,
                 failover: true,
             },
-            CallError::Reset(e) | CallError::Broken(e) => Outcome::Unknown(e),
+            CallError::Reset(_) | CallError::Broken(_) => {
+                Outcome::Unknown(text.unwrap_or_default())
+            }
         }
     }
 
@@ -240,7 +242,7 @@ impl AttemptTask {
                     n,
                     response: response.clone(),
                 };
-                match self.gw.apply(job_id, complete).await {
+                match self.engine.apply(job_id, complete).await {
                     Ok(Applied {
                         outcome: Ok(Effect::Won),
                         ..
@@ -273,14 +275,14 @@ impl AttemptTask {
                     upstream_status,
                     error,
                 };
-                match self.gw.apply(job_id, fail).await {
+                match self.engine.apply(job_id, fail).await {
                     Ok(_) => Done::Failed { response, failover },
                     Err(e) => Done::Store(e),
                 }
             }
             Outcome::Unknown(error) => {
                 match self
-                    .gw
+                    .engine
                     .apply(job_id, Transition::AttemptUnknown { n, error })
                     .await
                 {

@@ -8,9 +8,9 @@ use bytes::Bytes;
 use tokio::time::Instant;
 use tracing::warn;
 
+use super::Engine;
 use crate::body::Body;
 use crate::config::Provider;
-use crate::gateway::Gateway;
 use crate::job::{Effect, JobId, Transition};
 use crate::store::{Applied, StreamHead, StreamUpdate};
 use crate::stream::{LiveStream, Recording};
@@ -31,7 +31,7 @@ impl AttemptTask {
     ) {
         let n = self.n;
         if let Some(id) = &self.job_id {
-            let done = match self.gw.apply(id, Transition::BeginStream { n }).await {
+            let done = match self.engine.apply(id, Transition::BeginStream { n }).await {
                 Ok(Applied {
                     outcome: Ok(Effect::Won),
                     ..
@@ -42,8 +42,8 @@ impl AttemptTask {
                 }) => {
                     warn!(job_id = %id, attempt = n, winner = ?completed_by,
                         "streaming attempt lost the race; not a byte of it is relayed");
-                    self.gw.metrics.race_lost(&provider.name);
-                    self.gw.metrics.attempt(&provider.name, "lost_race");
+                    self.engine.metrics.race_lost(&provider.name);
+                    self.engine.metrics.attempt(&provider.name, "lost_race");
                     Some(Done::Lost)
                 }
                 Ok(_) => Some(Done::Lost),
@@ -54,7 +54,7 @@ impl AttemptTask {
                 return;
             }
         }
-        self.gw.breakers.record_success(self.provider_index);
+        self.engine.breakers.record_success(self.provider_index);
         let mut headers = head.headers;
         headers.remove(http::header::CONTENT_LENGTH);
         let live = LiveStream {
@@ -62,24 +62,24 @@ impl AttemptTask {
             headers: kept_headers(headers),
             n,
             provider: provider.name.clone(),
-            recording: Recording::new(self.gw.config.server.max_stored_response_bytes),
+            recording: Recording::new(self.engine.config().server.max_stored_response_bytes),
         };
         for chunk in prefix {
             live.recording.push(chunk);
         }
         if let Some(id) = &self.job_id {
-            self.gw.streams.insert(id, live.clone());
+            self.engine.streams.insert(id, live.clone());
         }
         let _ = self.events.send(Event::Streaming(live.clone()));
         // Duplicates on other gateways follow the stream through the store.
-        let mirror = self
-            .job_id
-            .clone()
-            .map(|id| self.gw.spawn(mirror(self.gw.clone(), id, live.clone())));
+        let mirror = self.job_id.clone().map(|id| {
+            self.engine
+                .spawn(mirror(self.engine.clone(), id, live.clone()))
+        });
         // The job stays in progress while it streams: keep its lease alive.
         let renew = self.job_id.clone().map(|id| {
-            let gw = self.gw.clone();
-            self.gw.spawn(keep_leased(gw, id, self.version))
+            let engine = self.engine.clone();
+            self.engine.spawn(keep_leased(engine, id, self.version))
         });
         let end = loop {
             match tokio::time::timeout(provider.stream_idle_timeout, next_data(&mut body)).await {
@@ -120,33 +120,33 @@ impl AttemptTask {
                 }
             }
         };
-        match self.gw.apply(id, transition).await {
+        match self.engine.apply(id, transition).await {
             Ok(Applied {
                 outcome: Ok(Effect::Won),
                 ..
-            }) => self.gw.metrics.attempt(&provider.name, "succeeded"),
+            }) => self.engine.metrics.attempt(&provider.name, "succeeded"),
             Ok(Applied {
                 outcome: Ok(Effect::AttemptFailed { .. }),
                 ..
-            }) => self.gw.metrics.attempt(&provider.name, "failed"),
+            }) => self.engine.metrics.attempt(&provider.name, "failed"),
             Ok(_) => {}
             Err(e) => {
                 warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse")
             }
         }
-        self.gw.streams.remove(id);
+        self.engine.streams.remove(id);
     }
 }
 
 /// Mirrors a live stream to the store chunk batch by chunk batch, then its end.
-async fn mirror(gw: Arc<Gateway>, id: JobId, live: LiveStream) {
+async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
     let head = StreamHead {
         status: live.status,
         headers: live.headers.clone(),
         n: live.n,
         provider: live.provider.clone(),
     };
-    let store = gw.store();
+    let store = engine.store();
     if let Err(e) = store.mirror_stream(&id, StreamUpdate::Head(head)).await {
         warn!(job_id = %id, error = %e, "cannot mirror the stream; duplicates elsewhere will wait for it to settle");
         return;
@@ -181,13 +181,13 @@ async fn mirror(gw: Arc<Gateway>, id: JobId, live: LiveStream) {
 }
 
 /// Renews a streaming job's lease until aborted.
-async fn keep_leased(gw: Arc<Gateway>, id: JobId, version: u64) {
-    let lease = gw.config.idempotency.lease;
+async fn keep_leased(engine: Arc<Engine>, id: JobId, version: u64) {
+    let lease = engine.config.idempotency.lease;
     let mut tick = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
     loop {
         tick.tick().await;
         let until = crate::clock::now() + lease;
-        if let Err(e) = gw
+        if let Err(e) = engine
             .apply(&id, Transition::RenewLease { version, until })
             .await
         {

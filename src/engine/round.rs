@@ -5,36 +5,29 @@
 //! compare-and-swap, a failure, an `unknown` — then reports to the round. That is what lets
 //! an attempt outlive its round: after a timeout the round answers `outcome-unknown` and
 //! ends, while the attempt keeps waiting for its late answer (up to `late_result_window`)
-//! and settles the job through the same compare-and-swap when it lands.
-//!
-//! - this module: the round — which provider goes next, timeouts, hedging, retries, leases;
-//! - `attempt`: one attempt — the call, what its answer means, its own settlement;
-//! - `relay`: an attempt whose answer is a stream — relayed live, recorded, mirrored.
-
-mod attempt;
-mod relay;
+//! and settles the job through the same compare-and-swap when it lands.//!
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
 
+use super::Engine;
 use crate::config::Route;
-use crate::gateway::Gateway;
 use crate::job::{Effect, Failure, JobId, StoredResponse, Transition};
 use crate::store::{Applied, StoreError};
 use crate::stream::LiveStream;
 use crate::upstream::ClientRequest;
 
-use self::attempt::{AttemptTask, Done, Event};
+use super::attempt::{AttemptTask, Done, Event};
 
 /// The job a round works for, and the version the round read when it opened.
 #[derive(Clone, Debug)]
-pub(crate) struct RoundJob {
+pub struct RoundJob {
     pub id: JobId,
     pub version: u64,
     /// The round's first attempt when it was registered with the claim itself, which saves
@@ -44,7 +37,7 @@ pub(crate) struct RoundJob {
 
 /// How a round ended, from the point of view of the request that ran it.
 #[derive(Debug)]
-pub(crate) enum RoundEnd {
+pub enum RoundEnd {
     /// An attempt of this round completed the job with this answer.
     Won {
         response: StoredResponse,
@@ -63,6 +56,8 @@ pub(crate) enum RoundEnd {
     /// An attempt of this round holds the result slot and is relaying a stream.
     Streaming(LiveStream),
     Store(StoreError),
+    /// The round's task failed or was stopped: a bug, or a gateway going down.
+    Internal(String),
 }
 
 /// An attempt as its round sees it.
@@ -78,7 +73,7 @@ struct Live {
 }
 
 struct Round {
-    gw: Arc<Gateway>,
+    engine: Arc<Engine>,
     route: Arc<Route>,
     job: Option<RoundJob>,
     request: Arc<ClientRequest>,
@@ -101,16 +96,16 @@ struct Round {
 
 /// Runs a round to its end. `job` is `None` for a keyless request on an `optional` route:
 /// the same attempts, but nothing claimed or stored.
-pub(crate) async fn run_round(
-    gw: Arc<Gateway>,
+pub(super) async fn run_round(
+    engine: Arc<Engine>,
     route: Arc<Route>,
     job: Option<RoundJob>,
     request: Arc<ClientRequest>,
 ) -> RoundEnd {
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let lease = gw.config.idempotency.lease;
+    let lease = engine.config.idempotency.lease;
     let mut round = Round {
-        gw,
+        engine,
         route,
         job,
         request,
@@ -184,7 +179,7 @@ fn retry_after(headers: &[(String, Bytes)]) -> Option<Duration> {
         return Some(Duration::from_secs(seconds));
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+    Some(at.duration_since(crate::clock::now()).unwrap_or_default())
 }
 
 fn far_future() -> Instant {
@@ -201,7 +196,7 @@ impl Round {
             .job
             .as_ref()
             .expect("only job rounds apply transitions");
-        self.gw.apply(&job.id, transition).await
+        self.engine.apply(&job.id, transition).await
     }
 
     /// Starts the attempt at the next provider of the route; `registered` is its ordinal
@@ -218,13 +213,13 @@ impl Round {
             };
             let step = self.cursor;
             self.cursor += 1;
-            let provider = self.gw.config.provider(index).clone();
+            let provider = self.engine.config().provider(index).clone();
             let unproven = step > 0
                 && self.route.failover_requires_probe
-                && !self.gw.probes.passed(&self.route.name, index);
+                && !self.engine.probes.passed(&self.route.name, index);
             let skip = if unproven {
                 Some("its last probe failed")
-            } else if !self.gw.breakers.try_acquire(index) {
+            } else if !self.engine.breakers.try_acquire(index) {
                 Some("its circuit is open")
             } else {
                 None
@@ -274,7 +269,7 @@ impl Round {
             },
         );
         let attempt = AttemptTask {
-            gw: self.gw.clone(),
+            engine: self.engine.clone(),
             route: self.route.clone(),
             job_id: self.job.as_ref().map(|j| j.id.clone()),
             version: self.job.as_ref().map_or(0, |j| j.version),
@@ -285,7 +280,7 @@ impl Round {
         };
         // Its own span, not the request's: an attempt may outlive the request that started it.
         let span = tracing::info_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
-        self.gw
+        self.engine
             .spawn(tracing::Instrument::instrument(attempt.run(), span));
         Ok(())
     }
@@ -396,7 +391,7 @@ impl Round {
             let live = self.live.get_mut(&n).expect("due attempts are live");
             live.deadline = None;
             if marked {
-                self.gw.metrics.attempt(&live.provider, "unknown");
+                self.engine.metrics.attempt(&live.provider, "unknown");
                 live.timed_out = true;
                 self.no_more_attempts = true;
                 warn!(job_id, attempt = n, provider = %live.provider,
@@ -488,7 +483,7 @@ impl Round {
 
     async fn renew_lease(&self) {
         let Some(job) = &self.job else { return };
-        let until = crate::clock::now() + self.gw.config.idempotency.lease;
+        let until = crate::clock::now() + self.engine.config().idempotency.lease;
         let renewed = self
             .apply(Transition::RenewLease {
                 version: job.version,

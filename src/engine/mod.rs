@@ -1,0 +1,543 @@
+//! The engine: everything a job needs and nothing of HTTP serving. It owns the store (with
+//! its retry policy and store metrics), the upstream clients, the breakers, the probe
+//! results, the live streams and every task it spawns; it claims a job for an intent, decides
+//! what the claim found (SPEC §3 step 6) and runs rounds of attempts (SPEC §4).
+//!
+//! The HTTP request path ([`crate::gateway`]) and the admin API ([`crate::admin`]) are thin
+//! adapters over an `Arc<Engine>`: they turn requests into a [`Submission`] or an admin
+//! operation and an [`Outcome`] back into a response. A round can be run from an engine with
+//! a simulated transport and no listener at all.
+//!
+//! - this module: the engine, claims and what they found;
+//! - `round`: one round — which provider goes next, timeouts, hedging, retries, leases;
+//! - `attempt`: one attempt — the call, what its answer means, its own settlement;
+//! - `relay`: an attempt whose answer is a stream — relayed live, recorded, mirrored.
+
+mod attempt;
+mod relay;
+mod round;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::breaker::Breakers;
+use crate::config::{Config, Route};
+use crate::error::Cause;
+use crate::job::{
+    new_job_id, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
+};
+use crate::metrics::Metrics;
+use crate::probe::ProbeResults;
+use crate::store::{Applied, Claim, JobStore, MirroredStream, StoreError};
+use crate::stream::{LiveStream, LiveStreams};
+use crate::upstream::{ClientRequest, Upstream};
+
+pub use round::{RoundEnd, RoundJob};
+
+/// What a job needs: config, store, providers, and the tasks working for it.
+#[derive(Debug)]
+pub struct Engine {
+    config: Arc<Config>,
+    store: Arc<dyn JobStore>,
+    upstream: Upstream,
+    breakers: Breakers,
+    metrics: Metrics,
+    /// The last probe of each fallback, for routes with `failover_requires_probe`.
+    probes: Arc<ProbeResults>,
+    /// Streams this process is relaying, for duplicates to join.
+    streams: LiveStreams,
+    /// Rounds this process is running, by job id, with the version each read: on shutdown
+    /// the ones still running are marked `unknown`, never left `in_progress`.
+    rounds: Mutex<HashMap<JobId, u64>>,
+    /// Every task of this engine (rounds, attempts, streams, probers), so shutdown can wait.
+    tasks: TaskTracker,
+    /// Cancelled by [`Engine::crash`]: every task stops at its next await, as if killed.
+    killed: CancellationToken,
+    /// Cancelled by [`Engine::stop`]: background loops (probers) end.
+    stopping: CancellationToken,
+}
+
+/// One intent, as the request path read it.
+#[derive(Debug)]
+pub struct Submission {
+    pub route: Arc<Route>,
+    /// The owner's hash.
+    pub owner: String,
+    /// `None` for a keyless request on an `optional` route: attempts, but no job.
+    pub key: Option<String>,
+    pub fingerprint: String,
+    pub request: Arc<ClientRequest>,
+}
+
+/// What became of a submission.
+#[derive(Debug)]
+pub enum Outcome {
+    /// An attempt's answer: the winner's (first time or replayed), or the last upstream
+    /// answer of a round in which every provider failed.
+    Answer {
+        job_id: Option<JobId>,
+        response: StoredResponse,
+        n: u32,
+        provider: String,
+        replayed: bool,
+    },
+    /// A live stream: relayed by this request's round, or joined by a duplicate.
+    Stream {
+        job_id: Option<JobId>,
+        live: LiveStream,
+        joined: bool,
+    },
+    /// A stream relayed by another gateway, to follow through the store's mirror.
+    Follow {
+        job_id: JobId,
+        mirror: MirroredStream,
+    },
+    /// No answer to give: why.
+    Refused { job_id: Option<JobId>, cause: Cause },
+}
+
+impl Outcome {
+    fn refused(job_id: &str, cause: Cause) -> Self {
+        Self::Refused {
+            job_id: Some(job_id.to_owned()),
+            cause,
+        }
+    }
+}
+
+impl Engine {
+    /// An engine whose providers are reached through `upstream` (real or simulated). Inside
+    /// a runtime it starts the probers of routes with `failover_requires_probe`.
+    pub fn new(config: Arc<Config>, store: Arc<dyn JobStore>, upstream: Upstream) -> Arc<Self> {
+        let engine = Arc::new(Self {
+            breakers: Breakers::new(&config.providers),
+            metrics: Metrics::default(),
+            probes: Arc::new(ProbeResults::default()),
+            streams: LiveStreams::default(),
+            rounds: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            killed: CancellationToken::new(),
+            stopping: CancellationToken::new(),
+            upstream,
+            config,
+            store,
+        });
+        if tokio::runtime::Handle::try_current().is_ok() {
+            for route in engine
+                .config
+                .routes
+                .iter()
+                .filter(|r| r.failover_requires_probe)
+            {
+                let prober = crate::probe::prober(
+                    engine.config.clone(),
+                    engine.upstream.clone(),
+                    route.clone(),
+                    engine.probes.clone(),
+                );
+                let stopping = engine.stopping.clone();
+                engine.spawn(async move { stopping.run_until_cancelled(prober).await });
+            }
+        }
+        engine
+    }
+
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    pub fn store(&self) -> &Arc<dyn JobStore> {
+        &self.store
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub fn breakers(&self) -> &Breakers {
+        &self.breakers
+    }
+
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    pub fn expiry_policy(config: &Config) -> ExpiryPolicy {
+        ExpiryPolicy {
+            retention: config.idempotency.retention,
+            late_result_window: config.idempotency.late_result_window,
+        }
+    }
+
+    /// Spawns a task of this engine: tracked for shutdown, stopped by [`Engine::crash`]
+    /// (then it yields `None`).
+    pub(crate) fn spawn<F>(&self, task: F) -> JoinHandle<Option<F::Output>>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let killed = self.killed.clone();
+        self.tasks
+            .spawn(async move { killed.run_until_cancelled(task).await })
+    }
+
+    /// Stops every round, attempt and stream of this engine at once, as if its process had
+    /// been killed: no grace, no bookkeeping. Its jobs are left as a dead gateway leaves them
+    /// (their leases lapse). For crash tests and simulations.
+    pub fn crash(&self) {
+        self.killed.cancel();
+    }
+
+    /// Ends the background loops (probers); rounds and late answers carry on.
+    pub fn stop(&self) {
+        self.stopping.cancel();
+        self.tasks.close();
+    }
+
+    /// Applies a transition, retrying a store that blipped with a short bounded backoff so a
+    /// settle is not lost to one dropped connection. Transitions are safe to re-apply.
+    pub async fn apply(&self, id: &str, transition: Transition) -> Result<Applied, StoreError> {
+        let mut delay = Duration::from_millis(25);
+        for _ in 0..4 {
+            let started = tokio::time::Instant::now();
+            let applied = self
+                .store
+                .apply(id, transition.clone(), crate::clock::now())
+                .await;
+            self.metrics.store("apply", started.elapsed());
+            match applied {
+                Err(e @ StoreError::Unavailable { .. }) => {
+                    warn!(job_id = id, error = %e, "store unavailable; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                result => return result,
+            }
+        }
+        self.store.apply(id, transition, crate::clock::now()).await
+    }
+
+    /// Claims the job of a submission and carries it out: a new job runs, an existing one is
+    /// replayed, waited for, refused or re-opened (SPEC §3 step 6).
+    pub async fn submit(self: &Arc<Self>, submission: Submission) -> Outcome {
+        let Submission {
+            route,
+            owner,
+            key,
+            fingerprint,
+            request,
+        } = submission;
+        let Some(key) = key else {
+            let end = self.run(route, None, request).await;
+            return self.outcome(None, end).await;
+        };
+        let idem = &self.config.idempotency;
+        let now = crate::clock::now();
+        let policy = Self::expiry_policy(&self.config);
+        let mut record = JobRecord::new(
+            new_job_id(&owner, &key),
+            owner,
+            key,
+            fingerprint.clone(),
+            route.name.clone(),
+            now,
+            now + idem.lease,
+            &policy,
+        );
+        // The first attempt is registered with the claim: one store write for both. Not when
+        // the primary's circuit is open: the round will skip it.
+        let first_attempt = if self.breakers.is_closed(route.providers[0]) {
+            let start = Transition::StartAttempt {
+                version: record.job.version,
+                provider: self.config.provider(route.providers[0]).name.clone(),
+            };
+            match record.apply(start, now, &policy) {
+                Ok(Effect::AttemptStarted { n, .. }) => Some(n),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let started = tokio::time::Instant::now();
+        let claimed = self.store.claim(record, now).await;
+        self.metrics.store("claim", started.elapsed());
+        let claimed = match claimed {
+            Ok(claimed) => claimed,
+            Err(e) => {
+                return Outcome::Refused {
+                    job_id: None,
+                    cause: Cause::Store(e),
+                }
+            }
+        };
+        match claimed {
+            Claim::Created(record) => {
+                tracing::Span::current().record("job_id", record.job.id.as_str());
+                debug!(job_id = %record.job.id, route = %route.name, "new job");
+                let job = RoundJob {
+                    id: record.job.id,
+                    version: record.job.version,
+                    first_attempt,
+                };
+                self.run_job(route, job, request).await
+            }
+            Claim::Existing(record) => {
+                tracing::Span::current().record("job_id", record.job.id.as_str());
+                self.resolve(route, record, &fingerprint, request).await
+            }
+        }
+    }
+
+    /// A claim found an existing job: SPEC §3 step 6, looping while the job is in flight.
+    async fn resolve(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        mut record: JobRecord,
+        fingerprint: &str,
+        request: Arc<ClientRequest>,
+    ) -> Outcome {
+        let idem = &self.config.idempotency;
+        let deadline = tokio::time::Instant::now() + idem.wait_for_in_flight;
+        loop {
+            let id = record.job.id.clone();
+            let now = crate::clock::now();
+            let store_failed = |e| Outcome::refused(&id, Cause::Store(e));
+            match record.classify(fingerprint, now) {
+                Found::Conflict => return Outcome::refused(&id, Cause::KeyReused),
+                Found::Replay => return replay(&record),
+                Found::Unknown => return Outcome::refused(&id, Cause::Unknown),
+                Found::LeaseLapsed => {
+                    let version = record.job.version;
+                    let applied = match self.apply(&id, Transition::ExpireLease { version }).await {
+                        Ok(applied) => applied,
+                        Err(e) => return store_failed(e),
+                    };
+                    if applied.outcome.is_ok() {
+                        warn!(job_id = %id, "job's lease lapsed (its gateway stopped); the job is unknown");
+                    }
+                    record = applied.record;
+                }
+                Found::InFlight => {
+                    if let Some(live) = self.streams.joinable(&id) {
+                        // A duplicate of a live stream gets what was recorded, then follows.
+                        return Outcome::Stream {
+                            job_id: Some(id),
+                            live,
+                            joined: true,
+                        };
+                    }
+                    if record.job.completed_by.is_some() {
+                        // Streaming on another gateway: follow its mirror in the store.
+                        match self.store.read_stream(&id, 0).await {
+                            Ok(Some(mirror)) => return Outcome::Follow { job_id: id, mirror },
+                            Ok(None) => {}
+                            Err(e) => return store_failed(e),
+                        }
+                    }
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Outcome::refused(&id, Cause::InProgress);
+                    }
+                    // Wake at the latest when the lease would lapse, to notice a dead gateway.
+                    let lease_left = record
+                        .job
+                        .lease_until
+                        .duration_since(now)
+                        .unwrap_or_default();
+                    let wait = left.min(lease_left + Duration::from_millis(5));
+                    record = match self
+                        .store
+                        .wait_change(&id, record.job.version, record.job.state, wait)
+                        .await
+                    {
+                        Ok(record) => record,
+                        Err(e) => return store_failed(e),
+                    };
+                }
+                Found::Reopenable { version } => {
+                    let lease_until = now + idem.lease;
+                    let reopen = Transition::Reopen {
+                        version,
+                        lease_until,
+                    };
+                    let applied = match self.apply(&id, reopen).await {
+                        Ok(applied) => applied,
+                        Err(e) => return store_failed(e),
+                    };
+                    if applied.outcome.is_ok() {
+                        debug!(job_id = %id, version = applied.record.job.version, "job re-opened for a new round");
+                        let job = RoundJob {
+                            id,
+                            version: applied.record.job.version,
+                            first_attempt: None,
+                        };
+                        return self.run_job(route, job, request).await;
+                    }
+                    // Another retry re-opened it first: wait for that round like a duplicate.
+                    record = applied.record;
+                }
+            }
+        }
+    }
+
+    async fn run_job(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        job: RoundJob,
+        request: Arc<ClientRequest>,
+    ) -> Outcome {
+        let id = job.id.clone();
+        let end = self.run(route, Some(job), request).await;
+        self.outcome(Some(id), end).await
+    }
+
+    /// Runs a round in its own task, so that a client hanging up cannot abandon the job.
+    pub async fn run(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        job: Option<RoundJob>,
+        request: Arc<ClientRequest>,
+    ) -> RoundEnd {
+        let engine = self.clone();
+        let task = self.spawn(async move {
+            // Removed however the round ends, so the map cannot grow with abandoned rounds.
+            let _registered = job.as_ref().map(|job| RoundRegistration::new(&engine, job));
+            round::run_round(engine.clone(), route, job, request).await
+        });
+        match task.await {
+            Ok(Some(end)) => end,
+            Ok(None) => RoundEnd::Internal("the gateway is stopping".into()),
+            Err(e) => RoundEnd::Internal(format!("a round task failed: {e}")),
+        }
+    }
+
+    /// What a round's end means for the request that ran it.
+    async fn outcome(&self, job_id: Option<JobId>, end: RoundEnd) -> Outcome {
+        let cause = match end {
+            RoundEnd::Won {
+                response,
+                n,
+                provider,
+            }
+            | RoundEnd::Failed {
+                last: Some((response, n, provider)),
+            } => {
+                return Outcome::Answer {
+                    job_id,
+                    response,
+                    n,
+                    provider,
+                    replayed: false,
+                }
+            }
+            RoundEnd::Streaming(live) => {
+                return Outcome::Stream {
+                    job_id,
+                    live,
+                    joined: false,
+                }
+            }
+            RoundEnd::Failed { last: None } => Cause::AllFailed,
+            RoundEnd::Unknown => Cause::TimedOut,
+            RoundEnd::Store(e) => Cause::Store(e),
+            RoundEnd::Internal(what) => Cause::Internal(what),
+            RoundEnd::Settled => match &job_id {
+                Some(id) => return self.settled(id).await,
+                None => Cause::AllFailed,
+            },
+        };
+        Outcome::Refused { job_id, cause }
+    }
+
+    /// The answer for a round whose job was settled by someone else.
+    async fn settled(&self, id: &str) -> Outcome {
+        let record = match self.store.get(id).await {
+            Ok(Some(record)) => record,
+            Ok(None) => return Outcome::refused(id, Cause::Store(StoreError::NotFound(id.into()))),
+            Err(e) => return Outcome::refused(id, Cause::Store(e)),
+        };
+        let cause = match record.job.state {
+            JobState::Succeeded => return replay(&record),
+            JobState::Cancelled => Cause::Cancelled,
+            JobState::Unknown => Cause::Unknown,
+            JobState::Failed => Cause::Failed,
+            JobState::InProgress => Cause::InProgress,
+        };
+        Outcome::refused(id, cause)
+    }
+
+    /// Shutdown: rounds that could not finish within the grace period may have reached a
+    /// provider, so their jobs become `unknown` rather than staying `in_progress`.
+    pub async fn abandon_rounds(&self) {
+        let rounds: Vec<(JobId, u64)> = self.lock_rounds().drain().collect();
+        for (id, version) in rounds {
+            match self.apply(&id, Transition::MarkUnknown { version }).await {
+                Ok(Applied { outcome: Ok(_), .. }) => {
+                    warn!(job_id = %id, "shutdown: job left unknown; resolve it with the cancel API if needed")
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(job_id = %id, error = %e, "shutdown: could not mark the job unknown")
+                }
+            }
+        }
+    }
+
+    fn lock_rounds(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, u64>> {
+        self.rounds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A round's entry in [`Engine::rounds`], removed when the round's task ends or is dropped.
+struct RoundRegistration<'a> {
+    engine: &'a Engine,
+    id: JobId,
+}
+
+impl<'a> RoundRegistration<'a> {
+    fn new(engine: &'a Engine, job: &RoundJob) -> Self {
+        engine.lock_rounds().insert(job.id.clone(), job.version);
+        Self {
+            engine,
+            id: job.id.clone(),
+        }
+    }
+}
+
+impl Drop for RoundRegistration<'_> {
+    fn drop(&mut self) {
+        self.engine.lock_rounds().remove(&self.id);
+    }
+}
+
+/// A settled job's stored answer, or why there is none to give.
+fn replay(record: &JobRecord) -> Outcome {
+    let job = &record.job;
+    let Some(response) = &job.response else {
+        return Outcome::refused(
+            &job.id,
+            Cause::Internal("a settled job has no stored answer".into()),
+        );
+    };
+    if response.body_omitted {
+        return Outcome::refused(&job.id, Cause::NotStored);
+    }
+    let (n, provider) = job
+        .completed_by
+        .and_then(|n| record.attempt(n))
+        .map_or((0, String::new()), |a| (a.n, a.provider.clone()));
+    Outcome::Answer {
+        job_id: Some(job.id.clone()),
+        response: response.clone(),
+        n,
+        provider,
+        replayed: true,
+    }
+}

@@ -1,0 +1,93 @@
+//! An engine's [`Outcome`] as an HTTP response. The first answer and every replay are built
+//! from the same stored bytes by [`answer`], so they cannot drift apart.
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode};
+
+use crate::body::{self, Body};
+use crate::engine::Outcome;
+use crate::error::Problem;
+use crate::headers;
+use crate::job::StoredResponse;
+use crate::store::JobStore;
+use crate::stream;
+
+pub(super) fn respond(outcome: Outcome, store: &std::sync::Arc<dyn JobStore>) -> Response<Body> {
+    match outcome {
+        Outcome::Answer {
+            job_id,
+            response,
+            n,
+            provider,
+            replayed,
+        } => answer(job_id.as_deref(), &response, Some((n, &provider)), replayed),
+        Outcome::Stream {
+            job_id,
+            live,
+            joined,
+        } => {
+            let head = head(live.status, live.headers.clone());
+            let mut response = answer(
+                job_id.as_deref(),
+                &head,
+                Some((live.n, &live.provider)),
+                joined,
+            );
+            *response.body_mut() = live.recording.body(!joined);
+            response
+        }
+        Outcome::Follow { job_id, mirror } => {
+            let head_of = head(mirror.head.status, mirror.head.headers.clone());
+            let attempt = (mirror.head.n, mirror.head.provider.clone());
+            let mut response = answer(Some(&job_id), &head_of, Some((attempt.0, &attempt.1)), true);
+            *response.body_mut() = stream::follow(store.clone(), job_id, mirror);
+            response
+        }
+        Outcome::Refused { job_id, cause } => Problem::from(cause)
+            .maybe_job(job_id.as_deref())
+            .into_response(),
+    }
+}
+
+fn head(status: u16, headers: Vec<(String, Bytes)>) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers,
+        body: Bytes::new(),
+        body_omitted: false,
+    }
+}
+
+/// A stored answer as an HTTP response, with the gateway's headers.
+fn answer(
+    job_id: Option<&str>,
+    stored: &StoredResponse,
+    attempt: Option<(u32, &str)>,
+    replayed: bool,
+) -> Response<Body> {
+    let mut response = Response::new(body::full(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
+        headers.insert(headers::JOB_ID, id);
+    }
+    if let Some((n, provider)) = attempt {
+        headers.insert(headers::ATTEMPT, HeaderValue::from(n));
+        if let Ok(provider) = HeaderValue::from_str(provider) {
+            headers.insert(headers::PROVIDER, provider);
+        }
+    }
+    headers.insert(
+        headers::REPLAYED,
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    response
+}
