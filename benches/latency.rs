@@ -7,6 +7,9 @@
 //! the figures are the gateway's own cost (routing, fingerprint, claim, settle, copy) plus
 //! one extra loopback hop.
 
+// A bench times real processes on the real clock: paused time has no place here.
+#![allow(clippy::disallowed_methods)]
+
 mod support;
 
 use std::time::{Duration, Instant};

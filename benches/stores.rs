@@ -8,6 +8,9 @@
 //! against a `redis-server` this bench starts on a free port (skipped when none is
 //! installed); replays are measured too, since on Redis they are one round trip.
 
+// A bench times real processes on the real clock: paused time has no place here.
+#![allow(clippy::disallowed_methods)]
+
 mod support;
 
 use std::sync::Arc;

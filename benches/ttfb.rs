@@ -6,6 +6,9 @@
 //! The provider sends the first SSE event at once and the rest after 2 ms, so the first
 //! byte is measured while the stream is still live, as a client sees it.
 
+// A bench times real processes on the real clock: paused time has no place here.
+#![allow(clippy::disallowed_methods)]
+
 mod support;
 
 use std::convert::Infallible;

@@ -6,7 +6,7 @@
 //! sharing it through the store would put a store round trip on every attempt.
 
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use serde::Serialize;
 use tokio::time::Instant;
@@ -126,7 +126,7 @@ impl Breakers {
                     state,
                     consecutive_failures: b.consecutive,
                     open_until: b.open_until.filter(|u| now < *u).map(|u| {
-                        let wall = SystemTime::now() + (u - now);
+                        let wall = crate::clock::now() + (u - now);
                         humantime::format_rfc3339_millis(wall).to_string()
                     }),
                 }

@@ -13,6 +13,8 @@ use tokio::time::Instant;
 static ANCHOR: OnceLock<(SystemTime, Instant)> = OnceLock::new();
 
 /// Now, as wall-clock time.
+// The one read of the system's wall clock: the anchor every later reading is offset from.
+#[allow(clippy::disallowed_methods)]
 pub fn now() -> SystemTime {
     let (wall, monotonic) = *ANCHOR.get_or_init(|| (SystemTime::now(), Instant::now()));
     wall + Instant::now().saturating_duration_since(monotonic)

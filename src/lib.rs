@@ -4,22 +4,44 @@
 //!
 //! # Layout
 //!
-//! - [`config`]: TOML → validated, typed config (SPEC §9).
+//! ```text
+//!   server (accept loop)            admin (SPEC §8)
+//!        │                               │
+//!   gateway (HTTP request path)          │
+//!     reads route, owner, key,           │
+//!     body, fingerprint (intent)         │
+//!        │  Submission ─▶ Outcome        │
+//!        ▼                               ▼
+//!   engine ── claims, waits, replays, re-opens; runs rounds
+//!     ├─ round ─ attempt ─ relay         (SPEC §4, §5)
+//!     ├─ store (JobStore) ─ job (pure state machine, SPEC §2)
+//!     ├─ upstream (Transport)   ├─ breaker   ├─ probe ─ contract
+//!     └─ stream (live recordings)   metrics   clock
+//!   config ◀── everything reads it; error ◀── gateway and admin turn causes into problems
+//! ```
+//!
+//! Arrows point from a module to what it uses; nothing below points back up. The engine
+//! knows nothing of HTTP serving, so a round runs in a unit test with a simulated transport
+//! and no listener.
+//!
+//! - [`config`]: TOML → validated, typed config (SPEC §9): raw shapes, validation with every
+//!   default, single-value parsers.
 //! - [`clock`]: wall time read through tokio's clock, so paused time drives leases.
 //! - [`intent`]: owner, idempotency key and fingerprint of a request (SPEC §3).
 //! - [`job`]: jobs, attempts, and the pure state machine with its compare-and-swap (SPEC §2).
 //! - [`store`]: the `JobStore` trait that applies that state machine atomically, and its
 //!   implementations.
-//! - [`gateway`]: the request path: route, claim, replay, wait, re-open.
-//! - `attempts`: one round of attempts: failover, timeout → unknown, hedging, late answers.
+//! - [`engine`]: what a job needs — store, providers, breakers, probes, live streams, tasks —
+//!   and the rounds of attempts: failover, timeout → unknown, hedging, late answers.
+//! - [`gateway`]: the HTTP request path, a thin adapter over the engine.
 //! - [`upstream`]: provider clients and how a client request is rewritten for a provider.
-//! - [`stream`]: live streams: relay, record, and let duplicates join (SPEC §5).
+//! - [`stream`]: live streams: relay, record, let duplicates join, follow a mirror (SPEC §5).
 //! - [`contract`]: what a 2xx must hold before it may settle a job (SPEC §6).
 //! - [`breaker`]: a circuit breaker per provider (SPEC §4).
 //! - [`probe`]: proving a fallback holds the primary's contract (SPEC §6).
 //! - [`admin`]: health, readiness, metrics, job inspection and cancel (SPEC §8).
 //! - [`metrics`]: the Prometheus metrics.
-//! - [`error`]: every gateway error as `application/problem+json` (SPEC §7).
+//! - [`error`]: every gateway error, from a typed cause to `application/problem+json` (SPEC §7).
 //! - `server`: the hyper accept loop with graceful shutdown.
 //!
 //! [`start`] binds both listeners and returns a [`Running`] gateway; [`run`] serves until a

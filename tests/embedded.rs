@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
@@ -126,7 +126,7 @@ async fn expired_jobs_are_swept_in_the_background() {
         late_result_window: Duration::from_millis(100),
     };
     let store = EmbeddedStore::open(&dir.path().join("jobs.db"), policy).unwrap();
-    let now = SystemTime::now();
+    let now = idemgate::clock::now();
     let record = idemgate::job::JobRecord::new(
         "job_sweep".into(),
         "o".into(),

@@ -4,7 +4,9 @@
 mod common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::*;
 use wiremock::matchers::method;

@@ -503,7 +503,7 @@ async fn a_job_whose_gateway_died_is_unknown_once_its_lease_lapses() {
     headers.insert("authorization", "Bearer sk-client-1".parse().unwrap());
     let owner = idemgate::intent::owner(&idemgate::intent::OwnerMode::Bearer, &headers).unwrap();
     let fingerprint = idemgate::intent::fingerprint("POST", CHAT, &chat_request(), &[]);
-    let now = std::time::SystemTime::now();
+    let now = idemgate::clock::now();
     let policy = idemgate::job::ExpiryPolicy {
         retention: Duration::from_secs(60),
         late_result_window: Duration::from_secs(60),
@@ -1101,18 +1101,14 @@ async fn shutdown_past_the_grace_period_leaves_the_job_unknown_not_in_progress()
         "k-abandon".into(),
         "fp".into(),
         "chat".into(),
-        std::time::SystemTime::now(),
-        std::time::SystemTime::now(),
+        idemgate::clock::now(),
+        idemgate::clock::now(),
         &idemgate::job::ExpiryPolicy {
             retention: Duration::from_secs(60),
             late_result_window: Duration::from_secs(60),
         },
     );
-    match store
-        .claim(probe, std::time::SystemTime::now())
-        .await
-        .unwrap()
-    {
+    match store.claim(probe, idemgate::clock::now()).await.unwrap() {
         idemgate::store::Claim::Existing(record) => {
             assert_eq!(record.job.state.as_str(), "unknown")
         }

@@ -624,6 +624,8 @@ where
     F: Fn(u64) -> Fut,
     Fut: std::future::Future<Output = (Arc<dyn JobStore>, G)>,
 {
+    // Real run time, for the report: deliberately not the paused clock.
+    #[allow(clippy::disallowed_methods)]
     let started = std::time::Instant::now();
     let seeds = seeds(default);
     let mut steps = 0;

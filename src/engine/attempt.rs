@@ -203,25 +203,23 @@ impl AttemptTask {
     }
 
     fn classify_error(&self, error: CallError) -> Outcome {
-        let text = Some(error.to_string());
+        let text = error.to_string();
         match error {
             CallError::Connect(_) | CallError::NotSent(_) => Outcome::Definite {
                 kind: Failure::Failed,
                 upstream_status: None,
                 response: None,
-                error: text,
+                error: Some(text),
                 failover: self.route.failover_on.connect,
             },
             CallError::Reset(_) if self.route.failover_on.reset => Outcome::Definite {
                 kind: Failure::Failed,
                 upstream_status: None,
                 response: None,
-                error: text,
+                error: Some(text),
                 failover: true,
             },
-            CallError::Reset(_) | CallError::Broken(_) => {
-                Outcome::Unknown(text.unwrap_or_default())
-            }
+            CallError::Reset(_) | CallError::Broken(_) => Outcome::Unknown(text),
         }
     }
 

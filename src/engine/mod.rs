@@ -541,3 +541,6 @@ fn replay(record: &JobRecord) -> Outcome {
         replayed: true,
     }
 }
+
+#[cfg(test)]
+mod tests;

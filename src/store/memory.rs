@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{Applied, Changes, Claim, JobStore, StoreError};
-use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
+use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
 #[derive(Debug)]
 pub struct MemoryStore {
@@ -86,11 +86,12 @@ impl JobStore for MemoryStore {
         let mut state = self.lock();
         let index = (record.job.owner.clone(), record.job.key.clone());
         if let Some(id) = state.by_key.get(&index).cloned() {
-            match state.jobs.get(&id) {
-                Some(record) if !record.is_expired(now) => {
-                    return Ok(Claim::Existing(record.clone()));
+            let existing = state.jobs.get(&id);
+            match JobRecord::claim_rule(existing, now) {
+                ClaimRule::Keep => {
+                    return Ok(Claim::Existing(existing.expect("kept").clone()));
                 }
-                _ => state.remove(&id),
+                ClaimRule::Replace | ClaimRule::Create => state.remove(&id),
             }
         }
         state.by_key.insert(index, record.job.id.clone());

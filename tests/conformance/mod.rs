@@ -6,7 +6,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 use idemgate::job::{
@@ -21,7 +21,7 @@ pub const POLICY: ExpiryPolicy = ExpiryPolicy {
 };
 
 pub fn record(owner: &str, key: &str) -> JobRecord {
-    let now = SystemTime::now();
+    let now = idemgate::clock::now();
     JobRecord::new(
         idemgate::job::new_job_id(owner, key),
         owner.into(),
@@ -51,7 +51,7 @@ pub fn answer(body: &'static str) -> StoredResponse {
 
 pub async fn created(store: &dyn JobStore, owner: &str, key: &str) -> JobRecord {
     match store
-        .claim(record(owner, key), SystemTime::now())
+        .claim(record(owner, key), idemgate::clock::now())
         .await
         .unwrap()
     {
@@ -65,7 +65,7 @@ async fn apply(
     id: &str,
     t: Transition,
 ) -> (Result<Effect, Rejection>, JobRecord) {
-    let applied = store.apply(id, t, SystemTime::now()).await.unwrap();
+    let applied = store.apply(id, t, idemgate::clock::now()).await.unwrap();
     (applied.outcome, applied.record)
 }
 
@@ -106,7 +106,7 @@ pub async fn claim_creates_once_then_returns_the_job(store: Arc<dyn JobStore>) {
     assert_eq!(first.job.state, JobState::InProgress);
     assert_eq!(first.job.version, 1);
     match store
-        .claim(record("owner-a", "k"), SystemTime::now())
+        .claim(record("owner-a", "k"), idemgate::clock::now())
         .await
         .unwrap()
     {
@@ -139,7 +139,7 @@ pub async fn concurrent_claims_create_exactly_one_job(store: Arc<dyn JobStore>) 
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             store
-                .claim(record("owner", "race"), SystemTime::now())
+                .claim(record("owner", "race"), idemgate::clock::now())
                 .await
                 .unwrap()
         }));
@@ -245,7 +245,7 @@ pub async fn a_cancelled_round_cannot_complete_after_a_reopen(store: Arc<dyn Job
         id,
         Transition::Reopen {
             version: 2,
-            lease_until: SystemTime::now() + Duration::from_secs(30),
+            lease_until: idemgate::clock::now() + Duration::from_secs(30),
         },
     )
     .await;
@@ -371,10 +371,10 @@ pub async fn failed_rounds_reopen_once(store: Arc<dyn JobStore>) {
         tasks.push(tokio::spawn(async move {
             let t = Transition::Reopen {
                 version: 2,
-                lease_until: SystemTime::now() + Duration::from_secs(30),
+                lease_until: idemgate::clock::now() + Duration::from_secs(30),
             };
             store
-                .apply(&id, t, SystemTime::now())
+                .apply(&id, t, idemgate::clock::now())
                 .await
                 .unwrap()
                 .outcome
@@ -391,7 +391,7 @@ pub async fn failed_rounds_reopen_once(store: Arc<dyn JobStore>) {
 }
 
 pub async fn a_lapsed_lease_turns_the_job_unknown(store: Arc<dyn JobStore>) {
-    let now = SystemTime::now();
+    let now = idemgate::clock::now();
     let mut rec = record("o", "lease");
     rec.job.lease_until = now + Duration::from_millis(1);
     let rec = match store.claim(rec, now).await.unwrap() {
@@ -536,7 +536,7 @@ pub async fn unknown_jobs_are_listed_until_resolved(store: Arc<dyn JobStore>) {
 
 pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
     match store
-        .apply("job_nope", Transition::Cancel, SystemTime::now())
+        .apply("job_nope", Transition::Cancel, idemgate::clock::now())
         .await
     {
         Err(StoreError::NotFound(id)) => assert_eq!(id, "job_nope"),

@@ -9,6 +9,10 @@
 //! by a round names the version the round read, so a round that was cancelled and re-opened
 //! behind its back can no longer touch the job.
 
+mod transition;
+
+pub use self::transition::{Effect, Failure, Rejection, Transition};
+
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
@@ -176,6 +180,28 @@ impl ExpiryPolicy {
     }
 }
 
+/// What a claim does with the job its (owner, key) already names, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimRule {
+    /// No job: the new record is created.
+    Create,
+    /// A retained job: it is the job of the key, and the claim returns it.
+    Keep,
+    /// An expired job: it is removed and the new record takes its place.
+    Replace,
+}
+
+impl Job {
+    /// The compare-and-swap condition of SPEC §2, written once: `job.version ==
+    /// attempt.read_version AND job.completed_by IS NULL AND job.state IN (in_progress,
+    /// unknown)`. Completion and a stream's first byte both take the result slot with it.
+    pub fn may_complete(&self, attempt: &Attempt) -> bool {
+        self.version == attempt.read_version
+            && self.completed_by.is_none()
+            && matches!(self.state, JobState::InProgress | JobState::Unknown)
+    }
+}
+
 /// What a claim found when the (owner, key) already had a job (SPEC §3 step 6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Found {
@@ -191,115 +217,6 @@ pub enum Found {
     Unknown,
     /// The last round failed or was cancelled: a retry may open a new round at this version.
     Reopenable { version: u64 },
-}
-
-/// A change to a job, issued by a round, a late answer, the admin API or a newcomer.
-#[derive(Clone, Debug)]
-pub enum Transition {
-    /// Register a new attempt in the round that read `version`.
-    StartAttempt {
-        version: u64,
-        provider: String,
-    },
-    /// The compare-and-swap of SPEC §2: attempt `n` offers its final answer.
-    Complete {
-        n: u32,
-        response: StoredResponse,
-    },
-    /// Attempt `n` definitely failed (or broke the contract).
-    FailAttempt {
-        n: u32,
-        kind: Failure,
-        upstream_status: Option<u16>,
-        error: Option<String>,
-    },
-    /// Attempt `n` timed out: its upstream call may still be alive.
-    AttemptUnknown {
-        n: u32,
-        error: String,
-    },
-    /// No attempt of the round is running and at least one timed out.
-    MarkUnknown {
-        version: u64,
-    },
-    /// Every provider of the round definitely failed.
-    FailRound {
-        version: u64,
-    },
-    /// Out-of-band resolution (admin API).
-    Cancel,
-    /// A retry opens a new round after `failed`/`cancelled`.
-    Reopen {
-        version: u64,
-        lease_until: SystemTime,
-    },
-    RenewLease {
-        version: u64,
-        until: SystemTime,
-    },
-    /// A newcomer found the job `in_progress` with its lease lapsed.
-    ExpireLease {
-        version: u64,
-    },
-    /// Attempt `n` has the first byte of a streamed answer: it claims the result slot by the
-    /// same compare-and-swap as [`Transition::Complete`] before relaying anything, so two
-    /// streams are never interleaved. The job stays unsettled until the stream ends.
-    BeginStream {
-        n: u32,
-    },
-    /// The stream of attempt `n` ended cleanly: its recording settles the job.
-    EndStream {
-        n: u32,
-        response: StoredResponse,
-    },
-    /// The stream of attempt `n` broke off: the job is `failed`, so a retry may run again.
-    CutStream {
-        n: u32,
-        error: String,
-    },
-}
-
-/// Why an attempt failed definitely.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Failure {
-    Failed,
-    ContractRejected,
-}
-
-/// What a transition did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Effect {
-    AttemptStarted {
-        n: u32,
-        read_version: u64,
-    },
-    /// The attempt completed the job.
-    Won,
-    /// The compare-and-swap touched nothing; the attempt is `lost_race` (or stays
-    /// `cancelled`) and its payload was dropped.
-    LostRace {
-        completed_by: Option<u32>,
-    },
-    /// The attempt is recorded as failed; `job_failed` when that was the job's last hope.
-    AttemptFailed {
-        job_failed: bool,
-    },
-    /// The attempt's answer was discarded: it had been cancelled, or already settled.
-    Discarded,
-    Applied,
-}
-
-/// A transition that does not apply to the job as it is; nothing was changed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum Rejection {
-    #[error("job is {state} at version {version}, not as the transition expected")]
-    WrongState { state: JobState, version: u64 },
-    #[error("job has no attempt {0}")]
-    NoSuchAttempt(u32),
-    #[error("job is already settled ({0})")]
-    AlreadySettled(JobState),
-    #[error("attempt {0} may still be running")]
-    AttemptLive(u32),
 }
 
 impl JobRecord {
@@ -354,6 +271,17 @@ impl JobRecord {
 
     pub fn is_expired(&self, now: SystemTime) -> bool {
         self.job.expires_at <= now
+    }
+
+    /// What a claim of this record's (owner, key) does with it: the job of the key while
+    /// it is retained, replaced by the new claim once it has expired. Every store applies
+    /// this one rule inside its atomic claim.
+    pub fn claim_rule(existing: Option<&Self>, now: SystemTime) -> ClaimRule {
+        match existing {
+            None => ClaimRule::Create,
+            Some(record) if record.is_expired(now) => ClaimRule::Replace,
+            Some(_) => ClaimRule::Keep,
+        }
     }
 
     pub fn attempt(&self, n: u32) -> Option<&Attempt> {
@@ -503,9 +431,7 @@ impl JobRecord {
             }
             return Ok(Effect::Discarded);
         }
-        let wins = job.version == attempt.read_version
-            && job.completed_by.is_none()
-            && matches!(job.state, JobState::InProgress | JobState::Unknown);
+        let wins = job.may_complete(attempt);
         let completed_by = job.completed_by;
         let status = response.status;
         let attempt = self.attempt_mut(n)?;
@@ -538,10 +464,7 @@ impl JobRecord {
         if !attempt.state.is_live() {
             return Ok(Effect::Discarded);
         }
-        let wins = job.version == attempt.read_version
-            && job.completed_by.is_none()
-            && matches!(job.state, JobState::InProgress | JobState::Unknown);
-        if !wins {
+        if !job.may_complete(attempt) {
             let completed_by = job.completed_by;
             let attempt = self.attempt_mut(n)?;
             attempt.state = AttemptState::LostRace;

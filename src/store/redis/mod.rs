@@ -48,18 +48,22 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use futures_util::StreamExt;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
-use tracing::{debug, warn};
+use tracing::warn;
 
 use super::{
     decode, encode, Applied, Changes, Claim, JobStore, MirroredStream, StoreError, StreamUpdate,
 };
+mod listen;
+mod mirror;
+mod scripts;
+
 use crate::config::StoreConfig;
 use crate::job::{
-    claim_digest, shard_tag, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition,
+    claim_digest, shard_tag, ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse,
+    Transition,
 };
 
 /// How long one command may take before the store counts as unavailable.
@@ -74,62 +78,6 @@ const MIRROR_TTL_MS: u64 = 10 * 60 * 1000;
 const CACHE_LIMIT: usize = 10_000;
 /// Retries of a transition whose record changed underneath it.
 const CAS_RETRIES: usize = 16;
-
-/// Creates the job unless the claim key names a live one; returns what it found.
-const CLAIM: &str = r#"
-local existing = redis.call('GET', KEYS[1])
-if existing then
-  local rec = redis.call('HMGET', ARGV[4] .. existing, 'rev', 'blob')
-  if rec[1] then
-    local resp = redis.call('GET', ARGV[5] .. existing)
-    return {0, existing, rec[1], rec[2], resp or ''}
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return {1}
-"#;
-
-/// Replaces an expired job under its claim, if the claim still names it.
-const REPLACE: &str = r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[6] then
-  return {0}
-end
-redis.call('DEL', ARGV[4] .. ARGV[6], ARGV[5] .. ARGV[6])
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return {1}
-"#;
-
-/// Writes a transition's result if the record is still at the revision it was computed
-/// from; otherwise returns the current record. An empty blob only checks the revision.
-const APPLY: &str = r#"
-local rec = redis.call('HMGET', KEYS[1], 'rev', 'blob')
-if not rec[1] then
-  return {-1}
-end
-if rec[1] ~= ARGV[1] then
-  return {0, rec[1], rec[2]}
-end
-if ARGV[2] == '' then
-  return {1, rec[1]}
-end
-local rev = tonumber(rec[1]) + 1
-redis.call('HSET', KEYS[1], 'rev', rev, 'blob', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if ARGV[4] ~= '' then
-  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
-else
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-if redis.call('GET', KEYS[3]) == ARGV[6] then
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
-end
-redis.call('PUBLISH', ARGV[5], rev)
-return {1, tostring(rev)}
-"#;
 
 /// One connection to standalone Redis or to a Cluster.
 #[derive(Clone)]
@@ -222,16 +170,16 @@ impl RedisStore {
             prefix: config.key_prefix.clone(),
             policy,
             wait_replicas: config.wait_replicas,
-            claim: Script::new(CLAIM),
-            replace: Script::new(REPLACE),
-            apply: Script::new(APPLY),
+            claim: Script::new(scripts::CLAIM),
+            replace: Script::new(scripts::REPLACE),
+            apply: Script::new(scripts::APPLY),
             cache: Mutex::new(HashMap::new()),
             changed: changed.clone(),
             round_trips: AtomicU64::new(0),
         };
         // Classic pub/sub reaches every node of a Cluster, so one subscriber sees all jobs.
         let pattern = format!("{}:*:chan:*", store.prefix);
-        tokio::spawn(listen(
+        tokio::spawn(listen::listen(
             config.urls.clone(),
             pattern,
             Arc::downgrade(&changed),
@@ -400,43 +348,6 @@ struct Keys {
     stream: String,
 }
 
-/// Subscribes to every job channel and wakes local waiters; reconnects until the store is
-/// dropped.
-async fn listen(urls: Vec<String>, pattern: String, changed: std::sync::Weak<Changes>) {
-    let mut next_url = 0;
-    loop {
-        if changed.upgrade().is_none() {
-            return;
-        }
-        let url = &urls[next_url % urls.len()];
-        next_url += 1;
-        let subscribed = async {
-            let client = redis::Client::open(url.as_str())?;
-            let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.psubscribe(&pattern).await?;
-            Ok::<_, redis::RedisError>(pubsub)
-        };
-        match tokio::time::timeout(CONNECT_TIMEOUT, subscribed).await {
-            Ok(Ok(mut pubsub)) => {
-                debug!(%url, "listening for job changes");
-                let mut messages = pubsub.on_message();
-                while let Some(message) = messages.next().await {
-                    let Some(changed) = changed.upgrade() else {
-                        return;
-                    };
-                    let channel = message.get_channel_name();
-                    if let Some(id) = channel.rsplit(":chan:").next() {
-                        changed.of(id).notify_waiters();
-                    }
-                }
-            }
-            Ok(Err(e)) => debug!(%url, error = %e, "cannot subscribe to job changes; waiters poll"),
-            Err(_) => debug!(%url, "subscribing to job changes timed out; waiters poll"),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 #[async_trait]
 impl JobStore for RedisStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
@@ -480,7 +391,7 @@ impl JobStore for RedisStore {
             return Err(unavailable("malformed claim reply"));
         };
         let existing: JobRecord = decode(&existing_blob)?;
-        if !existing.is_expired(now) {
+        if JobRecord::claim_rule(Some(&existing), now) == ClaimRule::Keep {
             let response = resp
                 .filter(|r| !r.is_empty())
                 .map(|r| decode(&r))
@@ -628,60 +539,7 @@ impl JobStore for RedisStore {
     }
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
-        let Some(tag) = shard_tag(id) else {
-            return Ok(());
-        };
-        let keys = self.keys(tag);
-        let (head, chunks, end) = (
-            format!("{}shead:{id}", keys.stream),
-            format!("{}schunks:{id}", keys.stream),
-            format!("{}send:{id}", keys.stream),
-        );
-        let mut pipe = redis::pipe();
-        match update {
-            StreamUpdate::Head(h) => {
-                pipe.cmd("SET")
-                    .arg(&head)
-                    .arg(encode(&h))
-                    .arg("PX")
-                    .arg(MIRROR_TTL_MS)
-                    .ignore();
-            }
-            StreamUpdate::Chunks(new) => {
-                if new.is_empty() {
-                    return Ok(());
-                }
-                let mut push = redis::cmd("RPUSH");
-                push.arg(&chunks);
-                for chunk in &new {
-                    push.arg(chunk.as_ref());
-                }
-                pipe.add_command(push).ignore();
-                pipe.cmd("PEXPIRE").arg(&chunks).arg(MIRROR_TTL_MS).ignore();
-                pipe.cmd("PEXPIRE").arg(&head).arg(MIRROR_TTL_MS).ignore();
-            }
-            StreamUpdate::End(result) => {
-                let marker = match result {
-                    Ok(()) => "ok".to_owned(),
-                    Err(reason) => format!("cut:{reason}"),
-                };
-                pipe.cmd("SET")
-                    .arg(&end)
-                    .arg(marker)
-                    .arg("PX")
-                    .arg(MIRROR_TTL_MS)
-                    .ignore();
-            }
-        }
-        pipe.cmd("PUBLISH")
-            .arg(format!("{}{id}", keys.chan))
-            .arg(0)
-            .ignore();
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        pipe.query_async::<()>(&mut connection)
-            .await
-            .map_err(unavailable)
+        self.mirror(id, update).await
     }
 
     async fn read_stream(
@@ -689,34 +547,7 @@ impl JobStore for RedisStore {
         id: &str,
         from: usize,
     ) -> Result<Option<MirroredStream>, StoreError> {
-        let Some(tag) = shard_tag(id) else {
-            return Ok(None);
-        };
-        let keys = self.keys(tag);
-        // The end marker is read first: whatever chunks preceded it are then in the list.
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(format!("{}send:{id}", keys.stream));
-        pipe.cmd("GET").arg(format!("{}shead:{id}", keys.stream));
-        pipe.cmd("LRANGE")
-            .arg(format!("{}schunks:{id}", keys.stream))
-            .arg(from)
-            .arg(-1);
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let (end, head, chunks): (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>) = pipe
-            .query_async(&mut connection)
-            .await
-            .map_err(unavailable)?;
-        let Some(head) = head else { return Ok(None) };
-        let end = end.map(|marker| match marker.strip_prefix("cut:") {
-            Some(reason) => Err(reason.to_owned()),
-            None => Ok(()),
-        });
-        Ok(Some(MirroredStream {
-            head: decode(&head)?,
-            chunks: chunks.into_iter().map(bytes::Bytes::from).collect(),
-            end,
-        }))
+        self.read_mirror(id, from).await
     }
 
     async fn unknown_jobs(

@@ -1,0 +1,194 @@
+//! Rounds run from an engine alone: a scripted in-process transport, the memory store, no
+//! listener, no `Gateway`, under paused time.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderMap, Method, Request, Response};
+
+use super::{Engine, Outcome, Submission};
+use crate::body::{self, Body};
+use crate::config::Config;
+use crate::error::Cause;
+use crate::job::{AttemptState, JobState};
+use crate::store::memory::MemoryStore;
+use crate::store::JobStore;
+use crate::upstream::{ClientRequest, Exchange, Transport, Upstream};
+
+/// What a scripted provider does with every call: answer with a status after a delay.
+#[derive(Clone, Copy, Debug)]
+struct Script {
+    status: u16,
+    after: Duration,
+}
+
+#[derive(Debug)]
+struct Scripted {
+    scripts: Vec<Script>,
+    calls: Vec<AtomicUsize>,
+}
+
+impl Scripted {
+    fn new(scripts: Vec<Script>) -> Arc<Self> {
+        let calls = scripts.iter().map(|_| AtomicUsize::new(0)).collect();
+        Arc::new(Self { scripts, calls })
+    }
+
+    fn calls(&self) -> Vec<usize> {
+        self.calls
+            .iter()
+            .map(|c| c.load(Ordering::SeqCst))
+            .collect()
+    }
+}
+
+impl Transport for Scripted {
+    fn send(&self, index: usize, _request: Request<Body>) -> Exchange {
+        self.calls[index].fetch_add(1, Ordering::SeqCst);
+        let script = self.scripts[index];
+        Box::pin(async move {
+            tokio::time::sleep(script.after).await;
+            let mut response = Response::new(body::full(format!("{{\"from\":{index}}}")));
+            *response.status_mut() = http::StatusCode::from_u16(script.status).unwrap();
+            response
+                .headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok(response)
+        })
+    }
+}
+
+fn engine(route_extra: &str, scripts: Vec<Script>) -> (Arc<Engine>, Arc<Scripted>) {
+    let text = format!(
+        "[store]\nkind = \"memory\"\n[idempotency]\nowner = \"anonymous\"\n\
+         [[providers]]\nname = \"primary\"\nbase_url = \"http://primary\"\ntimeout = \"2s\"\n\
+         [[providers]]\nname = \"fallback\"\nbase_url = \"http://fallback\"\ntimeout = \"2s\"\n\
+         [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"primary\", \"fallback\"]\n{route_extra}\n"
+    );
+    let config = Arc::new(Config::parse(&text, "test").unwrap());
+    let store: Arc<dyn JobStore> = Arc::new(MemoryStore::new(Engine::expiry_policy(&config)));
+    let transport = Scripted::new(scripts);
+    let engine = Engine::new(config, store, Upstream::with_transport(transport.clone()));
+    (engine, transport)
+}
+
+async fn submit(engine: &Arc<Engine>, key: &str) -> Outcome {
+    let config = engine.config();
+    let body = bytes::Bytes::from_static(b"{\"prompt\":1}");
+    let request = ClientRequest::new(
+        Method::POST,
+        "/v1/chat".into(),
+        HeaderMap::new(),
+        body,
+        &config.idempotency.header,
+    );
+    engine
+        .submit(Submission {
+            route: config.routes[0].clone(),
+            owner: "owner".into(),
+            key: Some(key.into()),
+            fingerprint: "fp".into(),
+            request: Arc::new(request),
+        })
+        .await
+}
+
+fn answered(outcome: &Outcome) -> (String, u32, bool) {
+    match outcome {
+        Outcome::Answer {
+            job_id,
+            n,
+            replayed,
+            response,
+            ..
+        } => {
+            assert_eq!(response.status, 200);
+            (job_id.clone().unwrap(), *n, *replayed)
+        }
+        other => panic!("expected an answer, got {other:?}"),
+    }
+}
+
+async fn attempts(engine: &Engine, id: &str) -> (JobState, Vec<AttemptState>) {
+    let record = engine.store().get(id).await.unwrap().unwrap();
+    let states = record.attempts.iter().map(|a| a.state).collect();
+    (record.job.state, states)
+}
+
+const fn script(status: u16, millis: u64) -> Script {
+    Script {
+        status,
+        after: Duration::from_millis(millis),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_definite_failure_fails_over_to_the_next_provider() {
+    let (engine, providers) = engine("", vec![script(503, 100), script(200, 100)]);
+    let (id, n, replayed) = answered(&submit(&engine, "k").await);
+    assert_eq!((n, replayed), (2, false));
+    assert_eq!(providers.calls(), [1, 1]);
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (
+            JobState::Succeeded,
+            vec![AttemptState::Failed, AttemptState::Succeeded]
+        )
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timeout_is_unknown_blocks_attempts_and_its_late_answer_settles_the_job() {
+    let (engine, providers) = engine("", vec![script(200, 5_000), script(200, 100)]);
+    let id = match submit(&engine, "k").await {
+        Outcome::Refused {
+            job_id: Some(id),
+            cause: Cause::TimedOut,
+        } => id,
+        other => panic!("expected a timeout, got {other:?}"),
+    };
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (JobState::Unknown, vec![AttemptState::Unknown])
+    );
+    // A retry while it is unknown makes no attempt.
+    assert!(matches!(
+        submit(&engine, "k").await,
+        Outcome::Refused {
+            cause: Cause::Unknown,
+            ..
+        }
+    ));
+    assert_eq!(providers.calls(), [1, 0]);
+    // The late answer lands (5 s after it was sent) and settles the job.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (JobState::Succeeded, vec![AttemptState::Succeeded])
+    );
+    let (replayed_id, n, replayed) = answered(&submit(&engine, "k").await);
+    assert_eq!((replayed_id, n, replayed), (id, 1, true));
+    assert_eq!(providers.calls(), [1, 0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_that_finishes_first_wins_even_over_the_primary() {
+    // The primary answers after 1.8 s; the hedge starts at 1 s and answers after 0.5 s.
+    let (engine, providers) = engine(
+        "hedge_after = \"1s\"",
+        vec![script(200, 1_800), script(200, 500)],
+    );
+    let (id, n, replayed) = answered(&submit(&engine, "k").await);
+    assert_eq!((n, replayed), (2, false));
+    assert_eq!(providers.calls(), [1, 1]);
+    // The primary's answer arrives later and loses the race whole.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (
+            JobState::Succeeded,
+            vec![AttemptState::LostRace, AttemptState::Succeeded]
+        )
+    );
+}

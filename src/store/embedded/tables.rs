@@ -1,0 +1,174 @@
+//! The embedded store's tables inside one write transaction: every operation of a group
+//! commit runs here, each atomic, each seeing the writes of the ones before it.
+
+use redb::{ReadableTable, Table, WriteTransaction};
+
+use super::*;
+
+pub(super) struct Tables<'t> {
+    claims: Table<'t, &'static [u8], &'static str>,
+    jobs: Table<'t, &'static str, &'static [u8]>,
+    responses: Table<'t, &'static str, &'static [u8]>,
+    expiry: Table<'t, (u64, &'static str), ()>,
+    unknown: Table<'t, &'static str, ()>,
+}
+
+pub(super) type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+impl<'t> Tables<'t> {
+    pub(super) fn open(txn: &'t WriteTransaction) -> Result<Self, redb::TableError> {
+        Ok(Self {
+            claims: txn.open_table(CLAIMS)?,
+            jobs: txn.open_table(JOBS)?,
+            responses: txn.open_table(RESPONSES)?,
+            expiry: txn.open_table(EXPIRY)?,
+            unknown: txn.open_table(UNKNOWN)?,
+        })
+    }
+
+    pub(super) fn run(&mut self, op: Op, policy: &ExpiryPolicy, touched: &mut Vec<JobId>) -> Done {
+        let wrap = |e: Box<dyn std::error::Error + Send + Sync>| {
+            StoreError::unavailable("embedded store", e)
+        };
+        match op {
+            Op::Claim { record, now, reply } => {
+                Done::Claim(reply, self.claim(*record, now).map_err(wrap))
+            }
+            Op::Apply {
+                id,
+                transition,
+                now,
+                reply,
+            } => {
+                let result = self
+                    .apply(&id, transition, now, policy)
+                    .map_err(wrap)
+                    .and_then(|applied| applied.ok_or_else(|| StoreError::NotFound(id.clone())));
+                if matches!(&result, Ok(a) if a.outcome.is_ok()) {
+                    touched.push(id);
+                }
+                Done::Apply(reply, result)
+            }
+            Op::Sweep { now, reply } => Done::Sweep(reply, self.sweep(now, touched).map_err(wrap)),
+        }
+    }
+
+    pub(super) fn load(&self, id: &str) -> TxResult<Option<JobRecord>> {
+        match self.jobs.get(id)? {
+            None => Ok(None),
+            Some(bytes) => Ok(Some(decode(bytes.value())?)),
+        }
+    }
+
+    pub(super) fn with_response(&self, mut record: JobRecord) -> TxResult<JobRecord> {
+        if record.job.state == JobState::Succeeded && record.job.response.is_none() {
+            if let Some(bytes) = self.responses.get(record.job.id.as_str())? {
+                record.job.response = Some(decode::<StoredResponse>(bytes.value())?);
+            }
+        }
+        Ok(record)
+    }
+
+    /// Writes a record and keeps the expiry index in step with it. The answer goes to its own
+    /// table, once.
+    pub(super) fn save(
+        &mut self,
+        mut record: JobRecord,
+        previous_expiry: Option<SystemTime>,
+    ) -> TxResult<JobRecord> {
+        let id = record.job.id.clone();
+        let response = record.job.response.take();
+        if let Some(response) = &response {
+            self.responses
+                .insert(id.as_str(), encode(response).as_slice())?;
+        }
+        self.jobs.insert(id.as_str(), encode(&record).as_slice())?;
+        if let Some(previous) = previous_expiry {
+            self.expiry.remove((millis(previous), id.as_str()))?;
+        }
+        self.expiry
+            .insert((millis(record.job.expires_at), id.as_str()), ())?;
+        if record.job.state == JobState::Unknown {
+            self.unknown.insert(id.as_str(), ())?;
+        } else {
+            self.unknown.remove(id.as_str())?;
+        }
+        record.job.response = response;
+        Ok(record)
+    }
+
+    pub(super) fn delete(&mut self, record: &JobRecord) -> TxResult<()> {
+        let id = record.job.id.as_str();
+        self.jobs.remove(id)?;
+        self.responses.remove(id)?;
+        self.expiry.remove((millis(record.job.expires_at), id))?;
+        self.unknown.remove(id)?;
+        let key = claim_key(record);
+        let owned = self
+            .claims
+            .get(key.as_slice())?
+            .is_some_and(|v| v.value() == id);
+        if owned {
+            self.claims.remove(key.as_slice())?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn claim(&mut self, record: JobRecord, now: SystemTime) -> TxResult<Claim> {
+        let key = claim_key(&record);
+        let existing = self
+            .claims
+            .get(key.as_slice())?
+            .map(|id| id.value().to_owned());
+        if let Some(id) = existing {
+            let found = self.load(&id)?;
+            match (JobRecord::claim_rule(found.as_ref(), now), found) {
+                (ClaimRule::Keep, Some(found)) => {
+                    return Ok(Claim::Existing(self.with_response(found)?));
+                }
+                (ClaimRule::Replace, Some(expired)) => self.delete(&expired)?,
+                _ => {}
+            }
+        }
+        self.claims.insert(key.as_slice(), record.job.id.as_str())?;
+        Ok(Claim::Created(self.save(record, None)?))
+    }
+
+    pub(super) fn apply(
+        &mut self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+        policy: &ExpiryPolicy,
+    ) -> TxResult<Option<Applied>> {
+        let Some(mut record) = self.load(id)? else {
+            return Ok(None);
+        };
+        let previous_expiry = record.job.expires_at;
+        let outcome = record.apply(transition, now, policy);
+        if outcome.is_ok() {
+            record = self.save(record, Some(previous_expiry))?;
+        }
+        let record = self.with_response(record)?;
+        Ok(Some(Applied { outcome, record }))
+    }
+
+    pub(super) fn sweep(&mut self, now: SystemTime, touched: &mut Vec<JobId>) -> TxResult<usize> {
+        let due: Vec<(u64, String)> = self
+            .expiry
+            .range((0, "")..(millis(now), ""))?
+            .take(SWEEP_LIMIT)
+            .map(|entry| entry.map(|(k, _)| (k.value().0, k.value().1.to_owned())))
+            .collect::<Result<_, _>>()?;
+        for (at, id) in &due {
+            match self.load(id)? {
+                Some(record) if record.is_expired(now) => self.delete(&record)?,
+                Some(_) => {}
+                // An index entry without its job: drop it.
+                None => drop(self.expiry.remove((*at, id.as_str()))?),
+            }
+            touched.push(id.clone());
+        }
+        Ok(due.len())
+    }
+}

@@ -1,0 +1,103 @@
+//! Live streams mirrored through Redis (SPEC §5), so a duplicate that lands on another
+//! gateway follows the stream: the head, a list of chunks and an end marker, each with a TTL,
+//! and a publish on the job's channel at every step.
+
+use std::sync::atomic::Ordering;
+
+use super::{unavailable, RedisStore, MIRROR_TTL_MS};
+use crate::job::shard_tag;
+use crate::store::{decode, encode, MirroredStream, StoreError, StreamUpdate};
+
+impl RedisStore {
+    pub(super) async fn mirror(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
+        let Some(tag) = shard_tag(id) else {
+            return Ok(());
+        };
+        let keys = self.keys(tag);
+        let (head, chunks, end) = (
+            format!("{}shead:{id}", keys.stream),
+            format!("{}schunks:{id}", keys.stream),
+            format!("{}send:{id}", keys.stream),
+        );
+        let mut pipe = redis::pipe();
+        match update {
+            StreamUpdate::Head(h) => {
+                pipe.cmd("SET")
+                    .arg(&head)
+                    .arg(encode(&h))
+                    .arg("PX")
+                    .arg(MIRROR_TTL_MS)
+                    .ignore();
+            }
+            StreamUpdate::Chunks(new) => {
+                if new.is_empty() {
+                    return Ok(());
+                }
+                let mut push = redis::cmd("RPUSH");
+                push.arg(&chunks);
+                for chunk in &new {
+                    push.arg(chunk.as_ref());
+                }
+                pipe.add_command(push).ignore();
+                pipe.cmd("PEXPIRE").arg(&chunks).arg(MIRROR_TTL_MS).ignore();
+                pipe.cmd("PEXPIRE").arg(&head).arg(MIRROR_TTL_MS).ignore();
+            }
+            StreamUpdate::End(result) => {
+                let marker = match result {
+                    Ok(()) => "ok".to_owned(),
+                    Err(reason) => format!("cut:{reason}"),
+                };
+                pipe.cmd("SET")
+                    .arg(&end)
+                    .arg(marker)
+                    .arg("PX")
+                    .arg(MIRROR_TTL_MS)
+                    .ignore();
+            }
+        }
+        pipe.cmd("PUBLISH")
+            .arg(format!("{}{id}", keys.chan))
+            .arg(0)
+            .ignore();
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        pipe.query_async::<()>(&mut connection)
+            .await
+            .map_err(unavailable)
+    }
+
+    pub(super) async fn read_mirror(
+        &self,
+        id: &str,
+        from: usize,
+    ) -> Result<Option<MirroredStream>, StoreError> {
+        let Some(tag) = shard_tag(id) else {
+            return Ok(None);
+        };
+        let keys = self.keys(tag);
+        // The end marker is read first: whatever chunks preceded it are then in the list.
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(format!("{}send:{id}", keys.stream));
+        pipe.cmd("GET").arg(format!("{}shead:{id}", keys.stream));
+        pipe.cmd("LRANGE")
+            .arg(format!("{}schunks:{id}", keys.stream))
+            .arg(from)
+            .arg(-1);
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let (end, head, chunks): (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>) = pipe
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        let Some(head) = head else { return Ok(None) };
+        let end = end.map(|marker| match marker.strip_prefix("cut:") {
+            Some(reason) => Err(reason.to_owned()),
+            None => Ok(()),
+        });
+        Ok(Some(MirroredStream {
+            head: decode(&head)?,
+            chunks: chunks.into_iter().map(bytes::Bytes::from).collect(),
+            end,
+        }))
+    }
+}

@@ -1,0 +1,58 @@
+//! The Lua scripts that make a claim and a transition single atomic steps in Redis. Every
+//! key a script touches shares the job's hash tag, so they run on one Cluster node.
+
+/// Creates the job unless the claim key names a live one; returns what it found.
+pub(super) const CLAIM: &str = r#"
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  local rec = redis.call('HMGET', ARGV[4] .. existing, 'rev', 'blob')
+  if rec[1] then
+    local resp = redis.call('GET', ARGV[5] .. existing)
+    return {0, existing, rec[1], rec[2], resp or ''}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1}
+"#;
+
+/// Replaces an expired job under its claim, if the claim still names it.
+pub(super) const REPLACE: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[6] then
+  return {0}
+end
+redis.call('DEL', ARGV[4] .. ARGV[6], ARGV[5] .. ARGV[6])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1}
+"#;
+
+/// Writes a transition's result if the record is still at the revision it was computed
+/// from; otherwise returns the current record. An empty blob only checks the revision.
+pub(super) const APPLY: &str = r#"
+local rec = redis.call('HMGET', KEYS[1], 'rev', 'blob')
+if not rec[1] then
+  return {-1}
+end
+if rec[1] ~= ARGV[1] then
+  return {0, rec[1], rec[2]}
+end
+if ARGV[2] == '' then
+  return {1, rec[1]}
+end
+local rev = tonumber(rec[1]) + 1
+redis.call('HSET', KEYS[1], 'rev', rev, 'blob', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+if redis.call('GET', KEYS[3]) == ARGV[6] then
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
+redis.call('PUBLISH', ARGV[5], rev)
+return {1, tostring(rev)}
+"#;
