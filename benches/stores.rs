@@ -130,6 +130,7 @@ fn main() {
                 key_prefix: "bench".into(),
                 pool_size: None,
                 wait_replicas: 0,
+                op_timeout: std::time::Duration::from_secs(2),
             };
             let store = idemgate::store::redis::RedisStore::open(&config, policy)
                 .await

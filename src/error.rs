@@ -45,6 +45,14 @@ pub enum ProblemKind {
     ResponseNotStored,
     /// A bug: logged with its cause, nothing internal in the body.
     Internal,
+    /// Two different credentials, or one owner header sent twice.
+    AmbiguousOwner,
+    /// The credential is not one of `[clients]`.
+    UnknownClient,
+    /// The client was too slow sending its head or body.
+    RequestTimeout,
+    /// Load shed: too many requests in flight, or too many body bytes buffered.
+    Overloaded,
 }
 
 impl ProblemKind {
@@ -66,15 +74,24 @@ impl ProblemKind {
             Self::BadRequest => "bad-request",
             Self::ResponseNotStored => "response-not-stored",
             Self::Internal => "internal",
+            Self::AmbiguousOwner => "ambiguous-owner",
+            Self::UnknownClient => "unknown-client",
+            Self::RequestTimeout => "request-timeout",
+            Self::Overloaded => "overloaded",
         }
     }
 
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingOwner | Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::MissingIdempotencyKey | Self::InvalidIdempotencyKey | Self::BadRequest => {
-                StatusCode::BAD_REQUEST
+            Self::MissingOwner | Self::Unauthorized | Self::UnknownClient => {
+                StatusCode::UNAUTHORIZED
             }
+            Self::MissingIdempotencyKey
+            | Self::InvalidIdempotencyKey
+            | Self::BadRequest
+            | Self::AmbiguousOwner => StatusCode::BAD_REQUEST,
+            Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::IdempotencyKeyReused
             | Self::RequestInProgress
@@ -107,6 +124,10 @@ impl ProblemKind {
             Self::BadRequest => "Bad request",
             Self::ResponseNotStored => "Response not stored",
             Self::Internal => "Internal error",
+            Self::AmbiguousOwner => "Ambiguous owner",
+            Self::UnknownClient => "Unknown client",
+            Self::RequestTimeout => "Request timeout",
+            Self::Overloaded => "Overloaded",
         }
     }
 }
@@ -156,8 +177,19 @@ pub enum Cause {
     UpstreamUnreachable {
         provider: String,
     },
+    /// A provider was called but its answer could not be written to the store.
+    Unrecorded(StoreError),
     /// A bug; the text is logged, never sent.
     Internal(String),
+    /// Two credentials that differ, or an owner header sent more than once.
+    AmbiguousOwner(&'static str),
+    UnknownClient,
+    /// The client did not send its whole body within `request_body_timeout`.
+    BodyTimeout,
+    /// The client did not send its request head within `request_header_timeout`.
+    HeadTimeout,
+    /// Too many requests in flight, or too many body bytes buffered.
+    Overloaded,
     // The admin API's.
     Unauthorized {
         configured: bool,
@@ -185,6 +217,14 @@ struct Body<'a> {
     detail: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     job_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<String>,
+}
+
+tokio::task_local! {
+    /// The id of the request being served (SPEC §11), set by the client edge for the whole
+    /// request, so every problem names it wherever it is built.
+    pub static REQUEST_ID: String;
 }
 
 impl From<Cause> for Problem {
@@ -263,6 +303,34 @@ impl From<Cause> for Problem {
                 K::AllProvidersFailed,
                 format!("provider {provider:?} could not be reached"),
             ),
+            Cause::Unrecorded(e) => {
+                warn!(error = %e, "a provider answered but the store could not record it");
+                return Self::new(
+                    K::StoreUnavailable,
+                    "a provider was called but the job store could not record its answer; the job will turn unknown when its lease lapses and is never run again",
+                )
+                .retry_after(RETRY_AFTER);
+            }
+            Cause::AmbiguousOwner(why) => (K::AmbiguousOwner, why.into()),
+            Cause::UnknownClient => (
+                K::UnknownClient,
+                "this credential is not allowed to use the gateway".into(),
+            ),
+            Cause::BodyTimeout => (
+                K::RequestTimeout,
+                "the request body did not arrive in time".into(),
+            ),
+            Cause::HeadTimeout => (
+                K::RequestTimeout,
+                "the request head did not arrive in time".into(),
+            ),
+            Cause::Overloaded => {
+                return Self::new(
+                    K::Overloaded,
+                    "the gateway is at its limit of requests in flight; retry shortly",
+                )
+                .retry_after(RETRY_AFTER);
+            }
             Cause::Internal(what) => {
                 error!(cause = %what, "internal error");
                 (K::Internal, "an internal error occurred; it has been logged".into())
@@ -328,6 +396,7 @@ impl Problem {
             status: self.kind.status().as_u16(),
             detail: &self.detail,
             job_id: self.job_id.as_deref(),
+            request_id: REQUEST_ID.try_with(Clone::clone).ok(),
         };
         Bytes::from(serde_json::to_vec(&body).expect("a problem always serialises"))
     }

@@ -8,6 +8,9 @@ pub const ATTEMPT: HeaderName = HeaderName::from_static("x-idempotency-attempt")
 pub const PROVIDER: HeaderName = HeaderName::from_static("x-idempotency-provider");
 pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// `false` on a keyed request that an `off` route served without a job.
+pub const KEY_HONOURED: HeaderName = HeaderName::from_static("idempotency-key-honoured");
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,

@@ -12,6 +12,9 @@ use sha2::{Digest, Sha256};
 pub enum OwnerMode {
     /// SHA-256 of the `Authorization` header value.
     Bearer,
+    /// SHA-256 of the client's API key, from `Authorization: Bearer …`, `X-Api-Key` or
+    /// `api-key`: what the OpenAI, Anthropic and Azure SDKs send.
+    ApiKey,
     /// SHA-256 of a header set by an auth layer in front of the gateway.
     Header(http::HeaderName),
     /// One shared owner.
@@ -36,19 +39,81 @@ pub enum KeyError {
     BadQuoting,
 }
 
-/// The owner's identity as stored: a hex SHA-256 (never the raw credential), or
-/// [`ANONYMOUS_OWNER`]. `None` when the request carries no owner.
-pub fn owner(mode: &OwnerMode, headers: &HeaderMap) -> Option<String> {
-    let value = match mode {
-        OwnerMode::Anonymous => return Some(ANONYMOUS_OWNER.to_owned()),
-        OwnerMode::Bearer => headers.get(http::header::AUTHORIZATION)?,
-        OwnerMode::Header(name) => headers.get(name)?,
+/// Why a request has no usable owner.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OwnerError {
+    /// No credential (or owner header) at all.
+    Missing,
+    /// An owner header sent twice, or two credentials that differ: never "first one wins".
+    Ambiguous(&'static str),
+}
+
+/// The owner's identity as stored: a hex SHA-256 of the credential as its mode reads it
+/// (never the raw credential), or [`ANONYMOUS_OWNER`].
+pub fn owner(mode: &OwnerMode, headers: &HeaderMap) -> Result<String, OwnerError> {
+    let credential = match mode {
+        OwnerMode::Anonymous => return Ok(ANONYMOUS_OWNER.to_owned()),
+        OwnerMode::Bearer => single(headers, &http::header::AUTHORIZATION)?,
+        OwnerMode::Header(name) => single(headers, name)?,
+        OwnerMode::ApiKey => api_key(headers)?,
     };
-    let value = value.as_bytes();
-    if value.iter().all(u8::is_ascii_whitespace) {
-        return None;
+    let credential = credential.ok_or(OwnerError::Missing)?;
+    Ok(digest(credential))
+}
+
+/// The hex SHA-256 of a credential: the owner, and what `[clients]` lists.
+pub fn digest(credential: &[u8]) -> String {
+    hex::encode(Sha256::digest(credential))
+}
+
+/// The one value of `name`, `None` when absent or blank.
+fn single<'h>(
+    headers: &'h HeaderMap,
+    name: &http::HeaderName,
+) -> Result<Option<&'h [u8]>, OwnerError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(OwnerError::Ambiguous(
+            "the owner's header appears more than once",
+        ));
     }
-    Some(hex::encode(Sha256::digest(value)))
+    let value = value.as_bytes();
+    Ok((!value.iter().all(u8::is_ascii_whitespace)).then_some(value))
+}
+
+/// The API key in whichever of its headers the SDK used; the same key in two of them is one
+/// credential, two different keys are refused.
+fn api_key(headers: &HeaderMap) -> Result<Option<&[u8]>, OwnerError> {
+    let bearer = single(headers, &http::header::AUTHORIZATION)?.map(|value| {
+        let text = value.trim_ascii();
+        match text.get(..7) {
+            Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => text[7..].trim_ascii(),
+            _ => text,
+        }
+    });
+    let mut found: Option<&[u8]> = None;
+    for candidate in [
+        bearer,
+        single(headers, &http::HeaderName::from_static("x-api-key"))?.map(<[u8]>::trim_ascii),
+        single(headers, &http::HeaderName::from_static("api-key"))?.map(<[u8]>::trim_ascii),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|c| !c.is_empty())
+    {
+        match found {
+            Some(seen) if seen != candidate => {
+                return Err(OwnerError::Ambiguous(
+                    "the request carries two different credentials",
+                ))
+            }
+            _ => found = Some(candidate),
+        }
+    }
+    Ok(found)
 }
 
 /// Reads the idempotency key: `Ok(None)` when absent, the key text when valid. The bare form
@@ -281,15 +346,59 @@ mod tests {
             &OwnerMode::Header(HeaderName::from_static("x-owner-id")),
             &h,
         );
-        assert_eq!(by_header, Some(hex::encode(Sha256::digest(b"team-a"))));
-        assert_eq!(owner(&OwnerMode::Bearer, &HeaderMap::new()), None);
+        assert_eq!(by_header, Ok(hex::encode(Sha256::digest(b"team-a"))));
+        assert_eq!(
+            owner(&OwnerMode::Bearer, &HeaderMap::new()),
+            Err(OwnerError::Missing)
+        );
         assert_eq!(
             owner(&OwnerMode::Bearer, &headers(&[("authorization", b" ")])),
-            None
+            Err(OwnerError::Missing)
         );
         assert_eq!(
             owner(&OwnerMode::Anonymous, &HeaderMap::new()).unwrap(),
             ANONYMOUS_OWNER
+        );
+    }
+
+    #[test]
+    fn a_repeated_owner_header_is_ambiguous_never_first_wins() {
+        let twice = headers(&[("x-owner-id", b"victim"), ("x-owner-id", b"attacker")]);
+        let mode = OwnerMode::Header(HeaderName::from_static("x-owner-id"));
+        assert!(matches!(
+            owner(&mode, &twice),
+            Err(OwnerError::Ambiguous(_))
+        ));
+        let twice = headers(&[
+            ("authorization", b"Bearer a"),
+            ("authorization", b"Bearer b"),
+        ]);
+        assert!(matches!(
+            owner(&OwnerMode::Bearer, &twice),
+            Err(OwnerError::Ambiguous(_))
+        ));
+    }
+
+    #[test]
+    fn api_key_owners_read_every_sdk_header_as_one_credential() {
+        let expected = Ok(digest(b"sk-1"));
+        for h in [
+            headers(&[("authorization", b"Bearer sk-1")]),
+            headers(&[("authorization", b"bearer  sk-1 ")]),
+            headers(&[("x-api-key", b"sk-1")]),
+            headers(&[("api-key", b"sk-1")]),
+            headers(&[("authorization", b"Bearer sk-1"), ("x-api-key", b"sk-1")]),
+        ] {
+            assert_eq!(owner(&OwnerMode::ApiKey, &h), expected, "{h:?}");
+        }
+        let two = headers(&[("authorization", b"Bearer sk-1"), ("x-api-key", b"sk-2")]);
+        assert!(matches!(
+            owner(&OwnerMode::ApiKey, &two),
+            Err(OwnerError::Ambiguous(_))
+        ));
+        assert_eq!(
+            owner(&OwnerMode::ApiKey, &HeaderMap::new()),
+            Err(OwnerError::Missing)
         );
     }
 

@@ -61,6 +61,7 @@ pub mod breaker;
 pub mod clock;
 pub mod config;
 pub mod contract;
+pub mod edge;
 pub mod engine;
 pub mod error;
 pub mod gateway;
@@ -123,6 +124,17 @@ pub async fn start_with_store(
     config: Arc<Config>,
     store: Arc<dyn store::JobStore>,
 ) -> Result<Running, StartError> {
+    let upstream = upstream::Upstream::new(&config.providers);
+    start_with(config, store, upstream).await
+}
+
+/// Like [`start_with_store`], with providers reached through `upstream` (e.g. in-process
+/// ones a test scripts).
+pub async fn start_with(
+    config: Arc<Config>,
+    store: Arc<dyn store::JobStore>,
+    upstream: upstream::Upstream,
+) -> Result<Running, StartError> {
     let listener = server::bind(config.server.listen).await?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind {
         addr: config.server.listen,
@@ -133,28 +145,43 @@ pub async fn start_with_store(
         None => None,
     };
     let admin_addr = admin_listener.as_ref().and_then(|l| l.local_addr().ok());
-    let upstream = upstream::Upstream::new(&config.providers);
     let engine = Engine::new(config.clone(), store, upstream);
     let gateway = Gateway::new(engine.clone());
+    if let Some(clients) = gateway.clients() {
+        clients.reload_on_sighup();
+    }
     let (shutdown, watch) = watch::channel(false);
     let grace = config.server.shutdown_grace;
-
-    let client = {
-        let gateway = gateway.clone();
-        tokio::spawn(server::serve(
-            listener,
-            move |request| gateway.clone().handle(request),
-            watch.clone(),
-            grace,
-        ))
+    let limits = server::Limits {
+        max_connections: config.server.max_connections,
+        header_timeout: config.server.request_header_timeout,
+        idle_timeout: config.server.idle_timeout,
     };
+
+    let client = tokio::spawn(server::serve(
+        listener,
+        edge::client_service(gateway.clone()),
+        limits,
+        watch.clone(),
+        grace,
+    ));
     let admin = admin_listener.map(|listener| {
         let token = std::env::var(&config.server.admin_token_env).ok();
         if token.is_none() {
             tracing::warn!(env = %config.server.admin_token_env, "no admin token set: the admin API answers 401 except /healthz and /readyz");
         }
         let admin = Arc::new(admin::Admin::new(engine.clone(), token));
-        tokio::spawn(server::serve(listener, move |request| admin.clone().handle(request), watch.clone(), grace))
+        let service = tower::service_fn(move |request| {
+            let admin = admin.clone();
+            async move { Ok::<_, std::convert::Infallible>(admin.handle(request).await) }
+        });
+        // The admin listener has its own connection slots: client load never crowds it out.
+        let limits = server::Limits {
+            max_connections: 256,
+            ..limits
+        };
+        let service = tower::util::BoxCloneService::new(service);
+        tokio::spawn(server::serve(listener, service, limits, watch.clone(), grace))
     });
     info!(%addr, admin = ?admin_addr, store = ?config.store.kind, "idemgate listening");
 

@@ -26,6 +26,9 @@ enum Command {
     /// Send each route's probe through every provider of the route and print a table;
     /// exits non-zero when a provider does not hold the contract.
     Probe,
+    /// Read one credential line on standard input and print its SHA-256 (hex): the owner
+    /// hash, and what `[clients] allow` lists.
+    OwnerHash,
 }
 
 /// Logs to stderr as the config says; `IDEMGATE_LOG` overrides the level.
@@ -58,8 +61,24 @@ fn main() -> ExitCode {
             }
         },
         Some(Command::Probe) => probe(cli.config),
+        Some(Command::OwnerHash) => owner_hash(),
         None => serve(cli.config),
     }
+}
+
+/// One line of standard input, without its line ending, hashed as the owner is.
+fn owner_hash() -> ExitCode {
+    let mut line = String::new();
+    if let Err(e) = std::io::stdin().read_line(&mut line) {
+        eprintln!("idemgate owner-hash: cannot read standard input: {e}");
+        return ExitCode::from(2);
+    }
+    let credential = line
+        .strip_suffix("\r\n")
+        .or_else(|| line.strip_suffix('\n'))
+        .unwrap_or(&line);
+    println!("{}", idemgate::intent::digest(credential.as_bytes()));
+    ExitCode::SUCCESS
 }
 
 /// Reads the config (refusing a missing or invalid one) and starts logging as it says.

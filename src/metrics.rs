@@ -47,7 +47,7 @@ pub enum RequestOutcome {
 }
 
 impl RequestOutcome {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::New => "new",
             Self::Replayed => "replayed",
@@ -69,6 +69,15 @@ pub struct Metrics {
     breaker_open: Family<ProviderLabels, Gauge>,
     upstream_seconds: Histograms<ProviderLabels>,
     store_seconds: Histograms<OperationLabels>,
+    unprotected: Family<RouteLabels, Counter>,
+    panics: Counter,
+    late_dropped: Counter,
+    stream_buffered: Gauge,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
 }
 
 fn latency_histogram() -> Histogram {
@@ -123,7 +132,35 @@ impl Default for Metrics {
             "Store operation latency by operation (claim, apply, get)",
             store_seconds.clone(),
         );
+        let unprotected = Family::<RouteLabels, Counter>::default();
+        registry.register(
+            "unprotected_keyed_requests",
+            "Non-safe requests that carried an idempotency key but landed on an idempotency = \"off\" route: served without a job",
+            unprotected.clone(),
+        );
+        let panics = Counter::default();
+        registry.register(
+            "panics",
+            "Panics caught while handling a request or running a round; each answered 500 internal",
+            panics.clone(),
+        );
+        let late_dropped = Counter::default();
+        registry.register(
+            "late_results_dropped",
+            "Timed-out calls not kept for a late answer because late_result_max calls were already waiting; their attempts stay unknown",
+            late_dropped.clone(),
+        );
+        let stream_buffered = Gauge::default();
+        registry.register(
+            "stream_buffered_bytes",
+            "Bytes of live streams held in memory (recordings and unread chunks)",
+            stream_buffered.clone(),
+        );
         Self {
+            unprotected,
+            panics,
+            late_dropped,
+            stream_buffered,
             registry,
             requests,
             attempts,
@@ -179,6 +216,22 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    pub fn unprotected_keyed_request(&self, route: &str) {
+        self.unprotected
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn panicked(&self) {
+        self.panics.inc();
+    }
+
+    pub fn late_result_dropped(&self) {
+        self.late_dropped.inc();
+    }
+
     /// The text exposition, with the gauges that are read at scrape time set first.
     pub fn render(
         &self,
@@ -188,6 +241,8 @@ impl Metrics {
         if let Some(count) = jobs_unknown {
             self.jobs_unknown.set(count as i64);
         }
+        self.stream_buffered
+            .set(i64::try_from(crate::stream::buffered_bytes()).unwrap_or(i64::MAX));
         for b in breakers {
             let state = match b.state {
                 "open" => 1,

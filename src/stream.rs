@@ -9,6 +9,7 @@
 //! join, and the job settles with its body omitted.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
@@ -22,6 +23,14 @@ use crate::store::{JobStore, MirroredStream};
 
 /// How many unread chunks an overflowed recording holds before the upstream read waits.
 pub const WINDOW: usize = 64;
+
+/// Bytes held by every recording of this process, for the `stream_buffered_bytes` gauge.
+static BUFFERED: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of live streams held in memory right now.
+pub fn buffered_bytes() -> usize {
+    BUFFERED.load(Ordering::Relaxed)
+}
 
 /// A streamed answer being relayed: its head, and its recording.
 #[derive(Clone, Debug)]
@@ -65,6 +74,42 @@ struct State {
     primary_read: usize,
     /// That client hung up: nobody to wait for any more.
     primary_gone: bool,
+    /// Bytes of `chunks` still held (released chunks are empty).
+    held: usize,
+}
+
+impl State {
+    fn hold(&mut self, chunk: Bytes) {
+        self.held += chunk.len();
+        BUFFERED.fetch_add(chunk.len(), Ordering::Relaxed);
+        self.chunks.push(chunk);
+    }
+
+    fn release(&mut self, index: usize) {
+        let released = std::mem::take(&mut self.chunks[index]);
+        self.held -= released.len();
+        BUFFERED.fetch_sub(released.len(), Ordering::Relaxed);
+    }
+
+    /// Releases every chunk the primary client has read, or all of them once it is gone:
+    /// an overflowed recording keeps only what someone still has to read.
+    fn release_read(&mut self) {
+        let upto = if self.primary_gone {
+            self.chunks.len()
+        } else {
+            self.primary_read
+        };
+        for index in 0..upto {
+            self.release(index);
+        }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        let held = self.lock().held;
+        BUFFERED.fetch_sub(held, Ordering::Relaxed);
+    }
 }
 
 impl Recording {
@@ -83,13 +128,15 @@ impl Recording {
     pub fn push(&self, chunk: Bytes) {
         let mut state = self.lock();
         state.bytes += chunk.len();
-        state.chunks.push(chunk);
+        if state.overflowed && state.primary_gone {
+            // Nobody will read it and it will not be stored: count it, keep nothing.
+            state.chunks.push(Bytes::new());
+        } else {
+            state.hold(chunk);
+        }
         if state.bytes > self.limit && !state.overflowed {
             state.overflowed = true;
-            let read = state.primary_read;
-            for released in &mut state.chunks[..read] {
-                *released = Bytes::new();
-            }
+            state.release_read();
         }
         drop(state);
         self.changed.notify_waiters();
@@ -182,7 +229,7 @@ impl Recording {
                     if primary {
                         state.primary_read = index + 1;
                         if state.overflowed {
-                            state.chunks[index] = Bytes::new();
+                            state.release(index);
                         }
                         drop(state);
                         self.changed.notify_waiters();
@@ -228,7 +275,12 @@ struct PrimaryGuard(Arc<Recording>);
 
 impl Drop for PrimaryGuard {
     fn drop(&mut self) {
-        self.0.lock().primary_gone = true;
+        let mut state = self.0.lock();
+        state.primary_gone = true;
+        if state.overflowed {
+            state.release_read();
+        }
+        drop(state);
         self.0.changed.notify_waiters();
     }
 }

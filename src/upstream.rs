@@ -199,6 +199,24 @@ fn chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// A client's headers as a provider gets them (SPEC §11): the client's credential headers
+/// removed unless the provider forwards client credentials, then the provider's own headers
+/// set, each replacing the client's header of the same name.
+pub fn set_provider_headers(
+    headers: &mut HeaderMap,
+    provider: &Provider,
+    credentials: &[HeaderName],
+) {
+    if !provider.forward_client_credentials {
+        for name in credentials {
+            headers.remove(name);
+        }
+    }
+    for (name, value) in &provider.headers {
+        headers.insert(name.clone(), value.clone());
+    }
+}
+
 /// The parts of a client request that every attempt re-sends.
 #[derive(Debug)]
 pub struct ClientRequest {
@@ -206,6 +224,8 @@ pub struct ClientRequest {
     pub path_and_query: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The client's credential headers, kept from providers that use their own.
+    pub credentials: Vec<HeaderName>,
 }
 
 impl ClientRequest {
@@ -228,6 +248,7 @@ impl ClientRequest {
             path_and_query,
             headers,
             body,
+            credentials: Vec::new(),
         }
     }
 
@@ -235,9 +256,7 @@ impl ClientRequest {
     /// the job id as `Idempotency-Key` so a provider that dedupes can do so too.
     pub fn for_provider(&self, provider: &Provider, job_id: Option<&str>) -> Request<Body> {
         let mut headers = self.headers.clone();
-        for (name, value) in &provider.headers {
-            headers.insert(name.clone(), value.clone());
-        }
+        set_provider_headers(&mut headers, provider, &self.credentials);
         if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
             headers.insert(headers::IDEMPOTENCY_KEY, id);
         }

@@ -687,6 +687,7 @@ fn redis_config(urls: Vec<String>, cluster: bool, seed: u64) -> StoreConfig {
         key_prefix: format!("model-{seed}"),
         pool_size: None,
         wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
     }
 }
 

@@ -31,6 +31,7 @@ async fn store(server: &RedisServer) -> Arc<RedisStore> {
         key_prefix: "idemgate".into(),
         pool_size: None,
         wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
     };
     Arc::new(RedisStore::open(&config, POLICY).await.unwrap())
 }

@@ -22,6 +22,7 @@ fn redis_config(urls: Vec<String>, cluster: bool) -> StoreConfig {
         key_prefix: "idemgate-test".into(),
         pool_size: None,
         wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
     }
 }
 

@@ -349,6 +349,7 @@ async fn a_duplicate_on_another_gateway_follows_the_stream_through_redis() {
             key_prefix: "idemgate".into(),
             pool_size: None,
             wait_replicas: 0,
+            op_timeout: std::time::Duration::from_secs(2),
         };
         let policy = idemgate::job::ExpiryPolicy {
             retention: Duration::from_secs(3600),

@@ -18,7 +18,7 @@ mod values;
 
 use self::raw::RawConfig;
 use self::validate::Validator;
-pub use self::values::{expand_env, parse_duration};
+pub use self::values::{expand_env, parse_duration, read_allow_file};
 
 /// The validated configuration of one gateway.
 #[derive(Clone, Debug)]
@@ -29,6 +29,16 @@ pub struct Config {
     pub idempotency: IdempotencyConfig,
     pub providers: Vec<Arc<Provider>>,
     pub routes: Vec<Arc<Route>>,
+    /// `[clients]`: who may use the gateway at all (SPEC §11); `None` when not configured.
+    pub clients: Option<ClientsConfig>,
+}
+
+/// `[clients]`: the SHA-256 digests of the credentials allowed to use the gateway.
+#[derive(Clone, Debug)]
+pub struct ClientsConfig {
+    pub allow: std::collections::HashSet<String>,
+    /// One digest a line, re-read on SIGHUP.
+    pub allow_file: Option<PathBuf>,
 }
 
 /// `[log]`: how the gateway writes its logs (to stderr).
@@ -55,6 +65,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub max_stored_response_bytes: usize,
     pub shutdown_grace: Duration,
+    pub request_header_timeout: Duration,
+    pub request_body_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+    pub max_in_flight: usize,
+    pub max_buffered_body_bytes: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +89,8 @@ pub struct StoreConfig {
     pub key_prefix: String,
     pub pool_size: Option<u32>,
     pub wait_replicas: u32,
+    /// A store operation slower than this counts as the store failing.
+    pub op_timeout: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -85,6 +103,27 @@ pub struct IdempotencyConfig {
     pub lease: Duration,
     pub late_result_window: Duration,
     pub fingerprint_ignore: Vec<IgnoredPointer>,
+    /// At most this many timed-out calls are kept waiting for a late answer at once.
+    pub late_result_max: usize,
+}
+
+impl IdempotencyConfig {
+    /// The client headers that carry credentials, the owner header among them: never sent
+    /// to a provider unless it forwards client credentials (SPEC §11).
+    pub fn credential_headers(&self) -> Vec<HeaderName> {
+        let mut names = vec![
+            http::header::AUTHORIZATION,
+            http::header::PROXY_AUTHORIZATION,
+            HeaderName::from_static("x-api-key"),
+            HeaderName::from_static("api-key"),
+        ];
+        if let OwnerMode::Header(name) = &self.owner {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        names
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -102,6 +141,8 @@ pub struct Provider {
     /// Top-level JSON body fields overridden for this provider (e.g. its own `model` name).
     pub body_set: serde_json::Map<String, serde_json::Value>,
     pub breaker: Breaker,
+    /// Bring-your-own-key: the client's credentials go to this provider (SPEC §11).
+    pub forward_client_credentials: bool,
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -20,6 +20,14 @@ pub(super) struct RawConfig {
     pub(super) providers: Vec<RawProvider>,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
+    pub(super) clients: Option<RawClients>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClients {
+    pub(super) allow: Option<Vec<String>>,
+    pub(super) allow_file: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -38,6 +46,12 @@ pub(super) struct RawServer {
     pub(super) max_body_bytes: Option<u64>,
     pub(super) max_stored_response_bytes: Option<u64>,
     pub(super) shutdown_grace: Option<String>,
+    pub(super) request_header_timeout: Option<String>,
+    pub(super) request_body_timeout: Option<String>,
+    pub(super) idle_timeout: Option<String>,
+    pub(super) max_connections: Option<u64>,
+    pub(super) max_in_flight: Option<u64>,
+    pub(super) max_buffered_body_bytes: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -51,6 +65,7 @@ pub(super) struct RawStore {
     pub(super) pool_size: Option<u32>,
     pub(super) wait_replicas: Option<u32>,
     pub(super) on_error: Option<String>,
+    pub(super) op_timeout: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -64,6 +79,7 @@ pub(super) struct RawIdempotency {
     pub(super) lease: Option<String>,
     pub(super) late_result_window: Option<String>,
     pub(super) fingerprint_ignore: Option<Vec<String>>,
+    pub(super) late_result_max: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -79,6 +95,7 @@ pub(super) struct RawProvider {
     #[serde(default)]
     pub(super) body_set: BTreeMap<String, toml::Value>,
     pub(super) breaker: Option<RawBreaker>,
+    pub(super) forward_client_credentials: Option<bool>,
 }
 
 #[derive(Deserialize)]

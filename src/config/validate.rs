@@ -65,6 +65,7 @@ impl Validator<'_> {
         let idempotency = self.idempotency(raw.idempotency);
         let providers = self.providers(raw.providers);
         let routes = self.routes(raw.routes, &providers);
+        let clients = raw.clients.map(|c| self.clients(c, &idempotency.owner));
         Config {
             log,
             server,
@@ -72,7 +73,38 @@ impl Validator<'_> {
             idempotency,
             providers,
             routes,
+            clients,
         }
+    }
+
+    fn clients(&mut self, raw: RawClients, owner: &OwnerMode) -> ClientsConfig {
+        if *owner == OwnerMode::Anonymous {
+            self.bad(
+                "clients",
+                "needs an owner mode that reads a credential (\"bearer\", \"api-key\" or \"header:<Name>\"), not \"anonymous\"",
+            );
+        }
+        let mut allow = std::collections::HashSet::new();
+        for (i, digest) in raw.allow.unwrap_or_default().into_iter().enumerate() {
+            match parse_digest(&digest) {
+                Ok(d) => {
+                    allow.insert(d);
+                }
+                Err(e) => self.bad(format!("clients.allow[{i}]"), e),
+            }
+        }
+        let allow_file = raw.allow_file.map(|f| {
+            let path = PathBuf::from(self.expand("clients.allow_file", &f));
+            let path = match self.base {
+                Some(base) if path.is_relative() => base.join(path),
+                _ => path,
+            };
+            if let Err(e) = read_allow_file(&path) {
+                self.bad("clients.allow_file", e);
+            }
+            path
+        });
+        ClientsConfig { allow, allow_file }
     }
 
     fn log(&mut self, raw: RawLog) -> LogConfig {
@@ -123,6 +155,47 @@ impl Validator<'_> {
                 raw.shutdown_grace,
                 Duration::from_secs(30),
             ),
+            request_header_timeout: self.positive(
+                "server.request_header_timeout",
+                raw.request_header_timeout,
+                Duration::from_secs(10),
+            ),
+            request_body_timeout: self.positive(
+                "server.request_body_timeout",
+                raw.request_body_timeout,
+                Duration::from_secs(60),
+            ),
+            idle_timeout: self.positive(
+                "server.idle_timeout",
+                raw.idle_timeout,
+                Duration::from_secs(60),
+            ),
+            max_connections: self.count("server.max_connections", raw.max_connections, 10_000),
+            max_in_flight: self.count("server.max_in_flight", raw.max_in_flight, 4096),
+            max_buffered_body_bytes: self.count(
+                "server.max_buffered_body_bytes",
+                raw.max_buffered_body_bytes,
+                1024 * MIB,
+            ),
+        }
+    }
+
+    fn positive(&mut self, key: &str, value: Option<String>, default: Duration) -> Duration {
+        let d = self.duration(key, value, default);
+        if d.is_zero() {
+            self.bad(key, "must be greater than 0");
+            return default;
+        }
+        d
+    }
+
+    fn count(&mut self, key: &str, value: Option<u64>, default: u64) -> usize {
+        match value {
+            Some(0) => {
+                self.bad(key, "must be greater than 0");
+                1
+            }
+            v => usize::try_from(v.unwrap_or(default)).unwrap_or(usize::MAX),
         }
     }
 
@@ -180,6 +253,7 @@ impl Validator<'_> {
             key_prefix: raw.key_prefix.unwrap_or_else(|| "idemgate".into()),
             pool_size: raw.pool_size,
             wait_replicas: raw.wait_replicas.unwrap_or(0),
+            op_timeout: self.positive("store.op_timeout", raw.op_timeout, Duration::from_secs(2)),
         }
     }
 
@@ -193,28 +267,27 @@ impl Validator<'_> {
         );
         let owner = match raw.owner.as_deref().unwrap_or("bearer") {
             "bearer" => OwnerMode::Bearer,
+            "api-key" => OwnerMode::ApiKey,
             "anonymous" => OwnerMode::Anonymous,
-            other => {
-                match other.strip_prefix("header:").map(str::trim) {
-                    Some(name) => match HeaderName::from_bytes(name.as_bytes()) {
-                        Ok(name) => OwnerMode::Header(name),
-                        Err(_) => {
-                            self.bad(
-                                "idempotency.owner",
-                                format!("{name:?} is not a valid header name"),
-                            );
-                            OwnerMode::Anonymous
-                        }
-                    },
-                    None => {
+            other => match other.strip_prefix("header:").map(str::trim) {
+                Some(name) => match HeaderName::from_bytes(name.as_bytes()) {
+                    Ok(name) => OwnerMode::Header(name),
+                    Err(_) => {
                         self.bad(
-                        "idempotency.owner",
-                        format!("{other:?} is not one of \"bearer\", \"anonymous\", \"header:<Name>\""),
-                    );
+                            "idempotency.owner",
+                            format!("{name:?} is not a valid header name"),
+                        );
                         OwnerMode::Anonymous
                     }
+                },
+                None => {
+                    self.bad(
+                        "idempotency.owner",
+                        format!("{other:?} is not one of \"bearer\", \"api-key\", \"anonymous\", \"header:<Name>\""),
+                    );
+                    OwnerMode::Anonymous
                 }
-            }
+            },
         };
         let max_key_length = match raw.max_key_length {
             Some(0) => {
@@ -259,6 +332,7 @@ impl Validator<'_> {
                 Duration::from_secs(600),
             ),
             fingerprint_ignore,
+            late_result_max: self.count("idempotency.late_result_max", raw.late_result_max, 1024),
         }
     }
 
@@ -346,6 +420,7 @@ impl Validator<'_> {
             headers,
             body_set,
             breaker,
+            forward_client_credentials: p.forward_client_credentials.unwrap_or(false),
         }
     }
 

@@ -110,3 +110,31 @@ pub(super) fn toml_to_json(value: toml::Value, key: &str) -> Result<serde_json::
         ),
     })
 }
+
+/// A credential digest as `[clients]` lists it: 64 hex digits (SHA-256), kept lowercase.
+pub(super) fn parse_digest(text: &str) -> Result<String, String> {
+    let digest = text.trim().to_ascii_lowercase();
+    if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(digest)
+    } else {
+        Err(format!(
+            "{text:?} is not a SHA-256 hex digest (64 hex digits; `idemgate owner-hash` prints one)"
+        ))
+    }
+}
+
+/// Reads an allow file: one digest a line; blank lines and `#` comments are skipped.
+pub fn read_allow_file(
+    path: &std::path::Path,
+) -> Result<std::collections::HashSet<String>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| (i, line.trim()))
+        .filter(|(_, line)| !line.is_empty() && !line.starts_with('#'))
+        .map(|(i, line)| {
+            parse_digest(line).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}

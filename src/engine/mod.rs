@@ -19,6 +19,7 @@ mod round;
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -62,6 +63,39 @@ pub struct Engine {
     killed: CancellationToken,
     /// Cancelled by [`Engine::stop`]: background loops (probers) end.
     stopping: CancellationToken,
+    /// Timed-out calls kept waiting for a late answer, at most `late_result_max`.
+    late: Arc<AtomicUsize>,
+}
+
+/// An attempt's place among the calls kept for a late answer: taken when it times out,
+/// given back when its task ends, however it ends.
+#[derive(Debug)]
+pub(crate) struct LateSlot {
+    waiting: Arc<AtomicUsize>,
+    max: usize,
+    counted: AtomicBool,
+}
+
+impl LateSlot {
+    /// Counts the attempt among the late ones, unless `late_result_max` are already waiting.
+    pub(crate) fn admit(&self) -> bool {
+        let admitted = self
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok();
+        self.counted.store(admitted, Ordering::Release);
+        admitted
+    }
+}
+
+impl Drop for LateSlot {
+    fn drop(&mut self) {
+        if self.counted.load(Ordering::Acquire) {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 /// One intent, as the request path read it.
@@ -116,6 +150,7 @@ impl Engine {
     /// An engine whose providers are reached through `upstream` (real or simulated). Inside
     /// a runtime it starts the probers of routes with `failover_requires_probe`.
     pub fn new(config: Arc<Config>, store: Arc<dyn JobStore>, upstream: Upstream) -> Arc<Self> {
+        let store = crate::store::timed::Timed::new(store, config.store.op_timeout);
         let engine = Arc::new(Self {
             breakers: Breakers::new(&config.providers),
             metrics: Metrics::default(),
@@ -125,6 +160,7 @@ impl Engine {
             tasks: TaskTracker::new(),
             killed: CancellationToken::new(),
             stopping: CancellationToken::new(),
+            late: Arc::new(AtomicUsize::new(0)),
             upstream,
             config,
             store,
@@ -186,6 +222,19 @@ impl Engine {
         let killed = self.killed.clone();
         self.tasks
             .spawn(async move { killed.run_until_cancelled(task).await })
+    }
+
+    pub(crate) fn late_slot(&self) -> Arc<LateSlot> {
+        Arc::new(LateSlot {
+            waiting: self.late.clone(),
+            max: self.config.idempotency.late_result_max,
+            counted: AtomicBool::new(false),
+        })
+    }
+
+    /// Timed-out calls waiting for a late answer right now.
+    pub fn late_results_waiting(&self) -> usize {
+        self.late.load(Ordering::Acquire)
     }
 
     /// Stops every round, attempt and stream of this engine at once, as if its process had
@@ -414,7 +463,12 @@ impl Engine {
         match task.await {
             Ok(Some(end)) => end,
             Ok(None) => RoundEnd::Internal("the gateway is stopping".into()),
-            Err(e) => RoundEnd::Internal(format!("a round task failed: {e}")),
+            Err(e) => {
+                if e.is_panic() {
+                    self.metrics.panicked();
+                }
+                RoundEnd::Internal(format!("a round task failed: {e}"))
+            }
         }
     }
 
@@ -447,6 +501,7 @@ impl Engine {
             RoundEnd::Failed { last: None } => Cause::AllFailed,
             RoundEnd::Unknown => Cause::TimedOut,
             RoundEnd::Store(e) => Cause::Store(e),
+            RoundEnd::Unrecorded(e) => Cause::Unrecorded(e),
             RoundEnd::Internal(what) => Cause::Internal(what),
             RoundEnd::Settled => match &job_id {
                 Some(id) => return self.settled(id).await,

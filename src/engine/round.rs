@@ -55,7 +55,10 @@ pub enum RoundEnd {
     Unknown,
     /// An attempt of this round holds the result slot and is relaying a stream.
     Streaming(LiveStream),
+    /// The store failed before any provider was called for this round's next step.
     Store(StoreError),
+    /// A provider was called but the store could not record what came of it.
+    Unrecorded(StoreError),
     /// The round's task failed or was stopped: a bug, or a gateway going down.
     Internal(String),
 }
@@ -70,6 +73,10 @@ struct Live {
     deadline: Option<Instant>,
     first_byte: bool,
     timed_out: bool,
+    /// The attempt's task, dropped (its call with it) when no late answer may be awaited.
+    task: tokio::task::AbortHandle,
+    /// Held by the attempt's task while it runs; counts it once it waits for a late answer.
+    late: Arc<super::LateSlot>,
 }
 
 struct Round {
@@ -257,17 +264,6 @@ impl Round {
         };
         debug!(job_id = self.job_id(), attempt = n, provider = %provider.name, "attempt started");
         let now = Instant::now();
-        self.live.insert(
-            n,
-            Live {
-                provider: provider.name.clone(),
-                index,
-                started: now,
-                deadline: Some(now + provider.timeout),
-                first_byte: false,
-                timed_out: false,
-            },
-        );
         let attempt = AttemptTask {
             engine: self.engine.clone(),
             route: self.route.clone(),
@@ -280,8 +276,28 @@ impl Round {
         };
         // Its own span, not the request's: an attempt may outlive the request that started it.
         let span = tracing::info_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
-        self.engine
-            .spawn(tracing::Instrument::instrument(attempt.run(), span));
+        let late = self.engine.late_slot();
+        let held = late.clone();
+        let task = self.engine.spawn(tracing::Instrument::instrument(
+            async move {
+                let _held = held;
+                attempt.run().await;
+            },
+            span,
+        ));
+        self.live.insert(
+            n,
+            Live {
+                provider: provider.name.clone(),
+                index,
+                started: now,
+                deadline: Some(now + provider.timeout),
+                first_byte: false,
+                timed_out: false,
+                task: task.abort_handle(),
+                late,
+            },
+        );
         Ok(())
     }
 
@@ -336,7 +352,8 @@ impl Round {
                 provider: live.provider,
             }),
             Done::Lost | Done::Discarded => Some(RoundEnd::Settled),
-            Done::Store(e) => Some(RoundEnd::Store(e)),
+            // The attempt reached its provider: its answer is lost to the store, not unsent.
+            Done::Store(e) => Some(RoundEnd::Unrecorded(e)),
             Done::Failed { response, failover } => {
                 let retry_after = response.as_ref().and_then(|r| retry_after(&r.headers));
                 self.last_failed = Some((live.index, retry_after));
@@ -394,8 +411,16 @@ impl Round {
                 self.engine.metrics.attempt(&live.provider, "unknown");
                 live.timed_out = true;
                 self.no_more_attempts = true;
-                warn!(job_id, attempt = n, provider = %live.provider,
-                    "attempt timed out; its outcome is unknown and its call is kept for a late answer");
+                if live.late.admit() {
+                    warn!(job_id, attempt = n, provider = %live.provider,
+                        "attempt timed out; its outcome is unknown and its call is kept for a late answer");
+                } else {
+                    // Memory stays bounded: the attempt stays unknown for an operator.
+                    live.task.abort();
+                    self.engine.metrics.late_result_dropped();
+                    warn!(job_id, attempt = n, provider = %live.provider,
+                        "attempt timed out; late_result_max calls already wait for late answers, so this one is dropped and the job stays unknown");
+                }
             }
         }
         Ok(())

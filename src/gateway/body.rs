@@ -7,24 +7,49 @@ use http::request::Parts;
 use http_body_util::BodyExt;
 
 use crate::body::{self, Body};
+use crate::edge::budget::Reservation;
 use crate::error::Cause;
 
-/// The client's body, unread until something needs it (a model glob, the fingerprint).
-pub(super) enum PendingBody {
+/// The client's body, unread until something needs it (a model glob, the fingerprint), and
+/// the bounds it is read within: `max_body_bytes`, the shared body budget, and the deadline
+/// of `request_body_timeout` counted from the request's head.
+pub(super) struct PendingBody {
+    state: State,
+    limit: usize,
+    deadline: tokio::time::Instant,
+    reservation: Reservation,
+}
+
+enum State {
     Unread(Body),
     Read(Bytes),
 }
 
 impl PendingBody {
+    pub(super) fn new(
+        body: Body,
+        limit: usize,
+        deadline: tokio::time::Instant,
+        reservation: Reservation,
+    ) -> Self {
+        Self {
+            state: State::Unread(body),
+            limit,
+            deadline,
+            reservation,
+        }
+    }
+
     /// The whole body, at most `limit` bytes; read once, then kept.
-    pub(super) async fn read(&mut self, parts: &Parts, limit: usize) -> Result<Bytes, Cause> {
-        let body = match std::mem::replace(self, Self::Read(Bytes::new())) {
-            Self::Read(bytes) => {
-                *self = Self::Read(bytes.clone());
+    pub(super) async fn read(&mut self, parts: &Parts) -> Result<Bytes, Cause> {
+        let body = match std::mem::replace(&mut self.state, State::Read(Bytes::new())) {
+            State::Read(bytes) => {
+                self.state = State::Read(bytes.clone());
                 return Ok(bytes);
             }
-            Self::Unread(body) => body,
+            State::Unread(body) => body,
         };
+        let limit = self.limit;
         let declared = parts
             .headers
             .get(http::header::CONTENT_LENGTH)
@@ -35,29 +60,76 @@ impl PendingBody {
             drain(body).await;
             return Err(Cause::TooLarge { limit });
         }
-        let mut buf = bytes::BytesMut::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|_| Cause::UnreadableBody)?;
-            if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > limit {
-                    drain(body).await;
-                    return Err(Cause::TooLarge { limit });
-                }
-                buf.extend_from_slice(&data);
+        // A declared length is reserved whole, up front: a crowd of large bodies is refused
+        // at once instead of after each has filled memory.
+        if let Some(len) = declared {
+            if !self.reservation.grow_to(len as usize) {
+                return Err(Cause::Overloaded);
             }
         }
-        let bytes = buf.freeze();
-        *self = Self::Read(bytes.clone());
+        let reservation = &mut self.reservation;
+        let read = async {
+            let mut buf = bytes::BytesMut::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|_| Cause::UnreadableBody)?;
+                if let Ok(data) = frame.into_data() {
+                    if buf.len() + data.len() > limit {
+                        return Err(Cause::TooLarge { limit });
+                    }
+                    if !reservation.grow_to(buf.len() + data.len()) {
+                        return Err(Cause::Overloaded);
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+            Ok(buf.freeze())
+        };
+        let bytes = match tokio::time::timeout_at(self.deadline, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(cause @ Cause::TooLarge { .. })) => {
+                drain(body).await;
+                return Err(cause);
+            }
+            Ok(Err(cause)) => return Err(cause),
+            Err(_) => return Err(Cause::BodyTimeout),
+        };
+        self.state = State::Read(bytes.clone());
         Ok(bytes)
     }
 
-    /// The body to forward as it is, read or not.
-    pub(super) fn into_body(self) -> Body {
-        match self {
-            Self::Unread(body) => body,
-            Self::Read(bytes) => body::full(bytes),
-        }
+    /// The body to forward as it is, read or not; an unread one still has to arrive by the
+    /// deadline, or it ends with an error (`tripped` says so).
+    pub(super) fn into_body(self) -> (Body, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        let tripped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let body = match self.state {
+            State::Read(bytes) => body::full(bytes),
+            State::Unread(body) => deadline_body(body, self.deadline, tripped.clone()),
+        };
+        (body, tripped)
     }
+}
+
+/// `body`, ending with an error if it has not ended by `deadline`.
+fn deadline_body(
+    body: Body,
+    deadline: tokio::time::Instant,
+    tripped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Body {
+    let frames = futures_util::stream::unfold(Some(body), move |body| {
+        let tripped = tripped.clone();
+        async move {
+            let mut body = body?;
+            match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(Some(frame)) => Some((frame, Some(body))),
+                Ok(None) => None,
+                Err(_) => {
+                    tripped.store(true, std::sync::atomic::Ordering::SeqCst);
+                    Some((Err("the request body did not arrive in time".into()), None))
+                }
+            }
+        }
+    });
+    BodyExt::boxed_unsync(http_body_util::StreamBody::new(frames))
 }
 
 /// Reads and discards what is left of a refused body, within bounds, so the client gets to

@@ -3,26 +3,31 @@
 //! the job; its [`crate::engine::Outcome`] becomes the response.
 //!
 //! - this module: reading the intent of a request;
-//! - `body`: the client's body, read once and bounded;
+//! - `path`: the one spelling of a method and path that routing and fingerprints use;
+//! - `body`: the client's body, read once and bounded in size, budget and time;
 //! - `passthrough`: safe methods and `off` routes, proxied without a job;
 //! - `response`: outcomes as responses, replays byte for byte.
 
 mod body;
 mod passthrough;
+mod path;
 mod response;
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use http::request::Parts;
-use http::{Method, Request, Response, Uri};
-use tracing::Instrument;
+use http::{HeaderValue, Method, Request, Response};
+use tracing::{warn, Instrument};
 
 use crate::body::Body;
 use crate::config::{Config, IdempotencyMode, Route};
+use crate::edge::budget::BodyBudget;
+use crate::edge::clients::Clients;
 use crate::engine::{Engine, Submission};
 use crate::error::{Cause, Problem, ProblemKind};
 use crate::headers;
-use crate::intent;
+use crate::intent::{self, OwnerError};
 use crate::metrics::RequestOutcome;
 use crate::store::JobStore;
 use crate::upstream::ClientRequest;
@@ -33,11 +38,41 @@ use self::body::PendingBody;
 #[derive(Debug)]
 pub struct Gateway {
     engine: Arc<Engine>,
+    budget: Arc<BodyBudget>,
+    clients: Option<Arc<Clients>>,
+    /// Routes whose keyed-but-unprotected requests were already logged at warn.
+    warned: Mutex<HashSet<String>>,
+}
+
+/// What the access log needs of a request the gateway answered (a response extension).
+#[derive(Clone, Debug, Default)]
+pub struct AccessInfo {
+    pub path: String,
+    pub route: Option<String>,
+    pub outcome: Option<RequestOutcome>,
 }
 
 impl Gateway {
     pub fn new(engine: Arc<Engine>) -> Arc<Self> {
-        Arc::new(Self { engine })
+        let server = &engine.config().server;
+        let budget = BodyBudget::new(server.max_buffered_body_bytes);
+        let clients = engine.config().clients.as_ref().map(Clients::new);
+        Arc::new(Self {
+            engine,
+            budget,
+            clients,
+            warned: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The allow list of `[clients]`, if configured (reloaded on SIGHUP by the server).
+    pub fn clients(&self) -> Option<&Arc<Clients>> {
+        self.clients.as_ref()
+    }
+
+    /// Request body bytes held right now, against `max_buffered_body_bytes`.
+    pub fn buffered_body_bytes(&self) -> usize {
+        self.budget.used()
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -63,45 +98,86 @@ impl Gateway {
             owner = tracing::field::Empty,
             job_id = tracing::field::Empty,
         );
-        let mut route = None;
-        let result = self.serve(request, &mut route).instrument(span).await;
-        let response = result.unwrap_or_else(|cause| Problem::from(cause).into_response());
+        let mut info = AccessInfo {
+            path: request.uri().path().to_owned(),
+            ..AccessInfo::default()
+        };
+        let result = self.serve(request, &mut info).instrument(span).await;
+        let mut response = result.unwrap_or_else(|cause| {
+            let problem = Problem::from(cause);
+            let kind = problem.kind;
+            let mut response = problem.into_response();
+            if kind == ProblemKind::RequestTimeout {
+                // The rest of a late body may still be on its way: this connection is done.
+                response
+                    .headers_mut()
+                    .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            response
+        });
         // Pass-through traffic is not counted: it makes no job.
-        if let Some(route) = route {
-            self.engine.metrics().request(&route, outcome_of(&response));
+        if let Some(route) = &info.route {
+            let outcome = outcome_of(&response);
+            self.engine.metrics().request(route, outcome);
+            info.outcome = Some(outcome);
         }
+        response.extensions_mut().insert(info);
         response
     }
 
     async fn serve(
         &self,
         request: Request<Body>,
-        counted_as: &mut Option<String>,
+        info: &mut AccessInfo,
     ) -> Result<Response<Body>, Cause> {
-        let (parts, body) = request.into_parts();
-        let mut body = PendingBody::Unread(body);
-        let route = match self.select_route(&parts, &mut body).await {
+        let config = self.config();
+        let deadline = tokio::time::Instant::now() + config.server.request_body_timeout;
+        let (mut parts, body) = request.into_parts();
+        parts.method = path::method(&parts.method);
+        let normal = path::normalise(parts.uri.path()).map_err(|_| Cause::NoRoute {
+            method: parts.method.clone(),
+            path: "a path with an encoded '/' or '\\'".into(),
+        })?;
+        info.path.clone_from(&normal);
+        let path_and_query = match parts.uri.query() {
+            Some(query) => format!("{normal}?{query}"),
+            None => normal.clone(),
+        };
+        let mut body = PendingBody::new(
+            body,
+            config.server.max_body_bytes,
+            deadline,
+            self.budget.reservation(),
+        );
+        let route = match self.select_route(&parts, &normal, &mut body).await {
             Ok(route) => route,
             Err(cause) => {
-                *counted_as = Some("none".into());
+                info.route = Some("none".into());
                 return Err(cause);
             }
         };
         let safe = matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
+        let idem = &config.idempotency;
         if safe || route.idempotency == IdempotencyMode::Off {
+            if self.clients.is_some() {
+                self.owner(&parts)?;
+            }
+            let keyed = !safe && parts.headers.contains_key(&idem.header);
             let upstream = self.engine.upstream();
-            return passthrough::pass_through(self.config(), upstream, &route, parts, body).await;
+            let mut response =
+                passthrough::pass_through(config, upstream, &route, parts, &path_and_query, body)
+                    .await?;
+            if keyed {
+                self.unprotected(&route);
+                response
+                    .headers_mut()
+                    .insert(headers::KEY_HONOURED, HeaderValue::from_static("false"));
+            }
+            return Ok(response);
         }
-        *counted_as = Some(route.name.clone());
+        info.route = Some(route.name.clone());
         tracing::Span::current().record("route", route.name.as_str());
-        let idem = &self.config().idempotency;
-        let owner =
-            intent::owner(&idem.owner, &parts.headers).ok_or_else(|| Cause::MissingOwner {
-                header: match &idem.owner {
-                    intent::OwnerMode::Header(name) => Some(name.to_string()),
-                    _ => None,
-                },
-            })?;
+        let owner = self.owner(&parts)?;
         tracing::Span::current().record("owner", owner.as_str());
         let key = intent::key(&parts.headers, &idem.header, idem.max_key_length)
             .map_err(|e| Cause::InvalidKey(e.to_string()))?;
@@ -111,10 +187,7 @@ impl Gateway {
                 header: idem.header.to_string(),
             });
         }
-        let bytes = body
-            .read(&parts, self.config().server.max_body_bytes)
-            .await?;
-        let path_and_query = path_and_query(&parts.uri);
+        let bytes = body.read(&parts).await?;
         let fingerprint = match key {
             Some(_) => intent::fingerprint(
                 parts.method.as_str(),
@@ -124,31 +197,64 @@ impl Gateway {
             ),
             None => String::new(),
         };
-        let request = Arc::new(ClientRequest::new(
+        let mut request = ClientRequest::new(
             parts.method,
             path_and_query,
             parts.headers,
             bytes,
             &idem.header,
-        ));
+        );
+        request.credentials = idem.credential_headers();
         let submission = Submission {
             route,
             owner,
             key,
             fingerprint,
-            request,
+            request: Arc::new(request),
         };
         let outcome = self.engine.submit(submission).await;
         Ok(response::respond(outcome, self.engine.store()))
+    }
+
+    /// The owner of a request (SPEC §3 step 2), and whether `[clients]` lets it in.
+    fn owner(&self, parts: &Parts) -> Result<String, Cause> {
+        let idem = &self.config().idempotency;
+        let owner = intent::owner(&idem.owner, &parts.headers).map_err(|e| match e {
+            OwnerError::Ambiguous(why) => Cause::AmbiguousOwner(why),
+            OwnerError::Missing => Cause::MissingOwner {
+                header: match &idem.owner {
+                    intent::OwnerMode::Header(name) => Some(name.to_string()),
+                    _ => None,
+                },
+            },
+        })?;
+        match &self.clients {
+            Some(clients) if !clients.allows(&owner) => Err(Cause::UnknownClient),
+            _ => Ok(owner),
+        }
+    }
+
+    /// A keyed non-safe request on an `off` route: served, but said so, counted, and logged
+    /// once per route.
+    fn unprotected(&self, route: &Route) {
+        self.engine.metrics().unprotected_keyed_request(&route.name);
+        let first = self
+            .warned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(route.name.clone());
+        if first {
+            warn!(route = %route.name, "requests with an idempotency key reach this idempotency = \"off\" route: they are served without a job, and duplicates run twice");
+        }
     }
 
     /// The first route whose methods, path prefix and (when given) model globs match.
     async fn select_route(
         &self,
         parts: &Parts,
+        path: &str,
         body: &mut PendingBody,
     ) -> Result<Arc<Route>, Cause> {
-        let path = parts.uri.path();
         for route in &self.config().routes {
             let method_ok = route
                 .methods
@@ -160,9 +266,7 @@ impl Gateway {
             if route.models.is_empty() {
                 return Ok(route.clone());
             }
-            let bytes = body
-                .read(parts, self.config().server.max_body_bytes)
-                .await?;
+            let bytes = body.read(parts).await?;
             let model = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .and_then(|v| v.get("model").and_then(|m| m.as_str().map(str::to_owned)));
@@ -197,15 +301,16 @@ fn outcome_of(response: &Response<Body>) -> RequestOutcome {
     }
 }
 
-fn path_and_query(uri: &Uri) -> String {
-    uri.path_and_query()
-        .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned())
-}
-
-/// Segment-aware: `/v1/chat` matches `/v1/chat` and `/v1/chat/x`, not `/v1/chatty`.
+/// Segment-aware: `/v1/chat` matches `/v1/chat`, `/v1/chat/x` and `/v1/chat;v=1` (a
+/// segment's parameters do not make it another segment), not `/v1/chatty`.
 fn prefix_matches(prefix: &str, path: &str) -> bool {
     match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        Some(rest) => {
+            rest.is_empty()
+                || prefix.ends_with('/')
+                || rest.starts_with('/')
+                || rest.starts_with(';')
+        }
         None => false,
     }
 }
@@ -222,5 +327,6 @@ mod tests {
         assert!(prefix_matches("/", "/anything"));
         assert!(prefix_matches("/v1/", "/v1/x"));
         assert!(!prefix_matches("/v2", "/v1"));
+        assert!(prefix_matches("/v1/chat", "/v1/chat;x=1"));
     }
 }

@@ -12,11 +12,14 @@ use crate::upstream::{provider_uri, Upstream};
 
 use super::body::PendingBody;
 
+/// Proxies the request as it is, but for its normalised `path_and_query` and the
+/// provider's credentials in place of the client's.
 pub(super) async fn pass_through(
     config: &Config,
     upstream: &Upstream,
     route: &Route,
     parts: Parts,
+    path_and_query: &str,
     body: PendingBody,
 ) -> Result<Response<Body>, Cause> {
     let index = route.providers[0];
@@ -25,12 +28,15 @@ pub(super) async fn pass_through(
     headers::strip_hop_by_hop(&mut headers);
     headers.remove(http::header::HOST);
     headers.remove(http::header::CONTENT_LENGTH);
-    for (name, value) in &provider.headers {
-        headers.insert(name.clone(), value.clone());
-    }
-    let mut request = Request::new(body.into_body());
+    crate::upstream::set_provider_headers(
+        &mut headers,
+        provider,
+        &config.idempotency.credential_headers(),
+    );
+    let (body, body_late) = body.into_body();
+    let mut request = Request::new(body);
     *request.method_mut() = parts.method;
-    *request.uri_mut() = provider_uri(provider, &super::path_and_query(&parts.uri));
+    *request.uri_mut() = provider_uri(provider, path_and_query);
     *request.headers_mut() = headers;
     let response = tokio::time::timeout(provider.timeout, upstream.send(index, request))
         .await
@@ -39,6 +45,9 @@ pub(super) async fn pass_through(
             timeout: provider.timeout,
         })?
         .map_err(|e| {
+            if body_late.load(std::sync::atomic::Ordering::SeqCst) {
+                return Cause::BodyTimeout;
+            }
             tracing::warn!(provider = %provider.name, error = %e, "pass-through call failed");
             Cause::UpstreamUnreachable {
                 provider: provider.name.clone(),

@@ -17,6 +17,7 @@ use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Tr
 pub mod embedded;
 pub mod memory;
 pub mod redis;
+pub mod timed;
 
 /// The store could not answer. Never a reason to call a provider without a claim.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -99,6 +100,12 @@ pub trait JobStore: Send + Sync + Debug + 'static {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError>;
+
+    /// How many jobs are `unknown`, from the store's index: one cheap read, never one per
+    /// job, so `/metrics` costs the same whatever the store holds.
+    async fn count_unknown(&self) -> Result<usize, StoreError> {
+        Ok(self.unknown_jobs(None, usize::MAX).await?.len())
+    }
 
     /// Publishes a live stream's progress for duplicates on other gateways. Stores that
     /// serve one process only need not: duplicates there join the stream in memory.

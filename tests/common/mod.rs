@@ -437,12 +437,12 @@ pub async fn received(server: &wiremock::MockServer) -> usize {
 }
 
 /// Headers of a reply without the ones that legitimately differ between a first answer and
-/// its replay.
+/// its replay: the replay flag, and the id of each request.
 pub fn comparable_headers(reply: &Reply) -> HashMap<String, String> {
     reply
         .headers
         .iter()
-        .filter(|(k, _)| *k != "idempotent-replayed")
+        .filter(|(k, _)| *k != "idempotent-replayed" && *k != "x-request-id")
         .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_owned()))
         .collect()
 }

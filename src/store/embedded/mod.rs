@@ -414,6 +414,14 @@ impl JobStore for EmbeddedStore {
         .await
     }
 
+    async fn count_unknown(&self) -> Result<usize, StoreError> {
+        use redb::ReadableTableMetadata;
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let unknown = txn.open_table(UNKNOWN).map_err(|e| self.unavailable(e))?;
+        let count = unknown.len().map_err(|e| self.unavailable(e))?;
+        Ok(usize::try_from(count).unwrap_or(usize::MAX))
+    }
+
     async fn unknown_jobs(
         &self,
         after: Option<&str>,

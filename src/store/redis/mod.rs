@@ -550,6 +550,16 @@ impl JobStore for RedisStore {
         self.read_mirror(id, from).await
     }
 
+    async fn count_unknown(&self) -> Result<usize, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        redis::cmd("SCARD")
+            .arg(self.unknown_index())
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)
+    }
+
     async fn unknown_jobs(
         &self,
         after: Option<&str>,

@@ -1,0 +1,163 @@
+//! The client edge (SPEC §11): who may connect, for how long, and how much. Everything here
+//! runs before the gateway sees a request or after it answered, so the job protocol never
+//! has to think about hostile clients.
+//!
+//! - `conn`: per-connection timers — the request head must arrive within
+//!   `request_header_timeout` (else 408 and close), an idle keep-alive connection is closed
+//!   after `idle_timeout`;
+//! - `budget`: `max_buffered_body_bytes` across all connections;
+//! - `clients`: the `[clients]` allow list, reloaded on SIGHUP;
+//! - this module: the tower stack every client request goes through.
+
+pub mod budget;
+pub mod clients;
+pub(crate) mod conn;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tower::util::BoxCloneService;
+use tower::{Service, ServiceBuilder};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tracing::info;
+
+use crate::body::{Body, BoxError};
+use crate::error::{Cause, Problem, REQUEST_ID};
+use crate::gateway::{AccessInfo, Gateway};
+use crate::headers;
+
+/// The service every client request goes through, outermost layer first.
+pub(crate) type ClientService = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
+
+pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
+    let engine = gateway.engine().clone();
+    let max_in_flight = engine.config().server.max_in_flight;
+    let panics = engine.clone();
+    let limited = ServiceBuilder::new()
+        // Turns a shed request into 503 `overloaded`, before anything was claimed.
+        .map_result(|result: Result<Response<Body>, BoxError>| {
+            Ok::<_, BoxError>(match result {
+                Ok(response) => response,
+                Err(e) if e.is::<tower::load_shed::error::Overloaded>() => {
+                    Problem::from(Cause::Overloaded).into_response()
+                }
+                Err(e) => Problem::from(Cause::Internal(e.to_string())).into_response(),
+            })
+        })
+        // Refuses at once instead of queueing when `max_in_flight` requests are being
+        // handled: a queue would only hide the overload from the client.
+        .load_shed()
+        .concurrency_limit(max_in_flight)
+        .map_response(
+            |response: Response<tower_http::body::UnsyncBoxBody<bytes::Bytes, BoxError>>| {
+                response.map(crate::body::boxed)
+            },
+        )
+        // Innermost: a panic in the request path becomes this request's 500 and frees its
+        // in-flight slot; the connection and every other request carry on.
+        .layer(CatchPanicLayer::custom(
+            move |panic: Box<dyn std::any::Any + Send>| {
+                panics.metrics().panicked();
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                Problem::from(Cause::Internal(format!(
+                    "panic in request handling: {what}"
+                )))
+                .into_response()
+            },
+        ))
+        .service_fn(move |request: Request<Body>| {
+            let gateway = gateway.clone();
+            async move { Ok::<_, Infallible>(gateway.handle(request).await) }
+        });
+    let service = ServiceBuilder::new()
+        // First, so that every answer — shed, timed out, panicked — carries an id: the
+        // client's own `X-Request-Id`, or a new one.
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        // Echoes the id on every response, including the ones the layers below make.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        // Sees the final status of everything below, so no request goes unlogged; it also
+        // makes the id known to every problem built while serving the request.
+        .service(AccessLog {
+            inner: BoxCloneService::new(limited),
+        });
+    BoxCloneService::new(service)
+}
+
+/// One access-log line per request at info, with what an operator greps for.
+#[derive(Clone)]
+struct AccessLog {
+    inner: BoxCloneService<Request<Body>, Response<Body>, BoxError>,
+}
+
+impl Service<Request<Body>> for AccessLog {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // The load-shedding layer below is always ready: it refuses in `call` instead.
+        match self.inner.poll_ready(cx) {
+            Poll::Ready(_) => Poll::Ready(Ok(())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let started = tokio::time::Instant::now();
+        let method = request.method().clone();
+        let raw_path = request.uri().path().to_owned();
+        let request_id = request
+            .headers()
+            .get(headers::REQUEST_ID)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let inner = self.inner.call(request);
+        Box::pin(REQUEST_ID.scope(request_id.clone(), async move {
+            let response = inner
+                .await
+                .unwrap_or_else(|e| Problem::from(Cause::Internal(e.to_string())).into_response());
+            let info = response.extensions().get::<AccessInfo>();
+            let header = |name| {
+                response
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+            };
+            let outcome = match (
+                info.and_then(|i| i.outcome),
+                response.extensions().get::<crate::error::ProblemKind>(),
+            ) {
+                (Some(outcome), _) => outcome.as_str(),
+                (None, Some(kind)) => kind.slug(),
+                (None, None) => "proxied",
+            };
+            info!(
+                target: "idemgate::access",
+                method = %method,
+                path = info.map_or(raw_path.as_str(), |i| i.path.as_str()),
+                route = info.and_then(|i| i.route.as_deref()).unwrap_or(""),
+                status = response.status().as_u16(),
+                duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+                outcome,
+                job_id = header(headers::JOB_ID),
+                attempt = header(headers::ATTEMPT),
+                provider = header(headers::PROVIDER),
+                replayed = header(headers::REPLAYED),
+                request_id = %request_id,
+                "request"
+            );
+            Ok(response)
+        }))
+    }
+}
