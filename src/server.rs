@@ -132,9 +132,18 @@ async fn respond(
     }))
 }
 
-/// Binds a listener, naming the address when it cannot.
+/// Binds a listener, naming the address when it cannot. The backlog is large (the kernel
+/// caps it at `somaxconn`): past `max_connections`, clients wait there, and a burst of
+/// connections must not be reset by a short queue.
 pub(crate) async fn bind(addr: SocketAddr) -> Result<TcpListener, crate::StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| crate::StartError::Bind { addr, source })
+    let fail = |source| crate::StartError::Bind { addr, source };
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(fail)?;
+    socket.set_reuseaddr(true).map_err(fail)?;
+    socket.bind(addr).map_err(fail)?;
+    socket.listen(4096).map_err(fail)
 }

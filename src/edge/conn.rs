@@ -211,6 +211,16 @@ impl AsyncRead for Watched {
                 // Best effort: a fresh socket's send buffer takes these few hundred bytes.
                 let answer = request_timeout();
                 let _ = Pin::new(&mut self.stream).poll_write(cx, &answer);
+                // Unread bytes at close would make the kernel reset the connection, and a
+                // reset can discard the 408 before the client reads it: read them away.
+                let mut scratch = [0u8; 4096];
+                for _ in 0..16 {
+                    let mut sink = ReadBuf::new(&mut scratch);
+                    match Pin::new(&mut self.stream).poll_read(cx, &mut sink) {
+                        Poll::Ready(Ok(())) if !sink.filled().is_empty() => {}
+                        _ => break,
+                    }
+                }
             }
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,

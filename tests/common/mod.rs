@@ -142,12 +142,27 @@ impl TestGateway {
     }
 
     pub async fn start_on(config: &str, store: Arc<dyn idemgate::store::JobStore>) -> Self {
+        let config = Self::config(config);
+        let upstream = idemgate::upstream::Upstream::new(&config.providers);
+        Self::start_with(config, store, upstream).await
+    }
+
+    /// The full config of a test gateway: `[server]` added to `config`.
+    pub fn config(config: &str) -> Arc<idemgate::Config> {
         std::env::set_var(ADMIN_TOKEN_ENV, ADMIN_TOKEN);
         let text = format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\nshutdown_grace = \"2s\"\n{config}"
         );
-        let config = idemgate::Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
-        let running = idemgate::start_with_store(Arc::new(config), store)
+        Arc::new(idemgate::Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    /// A gateway whose providers are reached through `upstream`.
+    pub async fn start_with(
+        config: Arc<idemgate::Config>,
+        store: Arc<dyn idemgate::store::JobStore>,
+        upstream: idemgate::upstream::Upstream,
+    ) -> Self {
+        let running = idemgate::start_with(config, store, upstream)
             .await
             .expect("the gateway starts");
         Self {
@@ -467,13 +482,24 @@ pub async fn free_port() -> u16 {
 
 /// Starts the binary on `config` and waits (bounded) until its admin port accepts.
 pub async fn spawn_gateway(config: &std::path::Path, port: u16, admin_port: u16) -> Process {
+    spawn_gateway_logging(config, port, admin_port, "warn", Stdio::null()).await
+}
+
+/// Like [`spawn_gateway`], logging at `level` to `stderr`.
+pub async fn spawn_gateway_logging(
+    config: &std::path::Path,
+    port: u16,
+    admin_port: u16,
+    level: &str,
+    stderr: Stdio,
+) -> Process {
     let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .arg("--config")
         .arg(config)
         .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
-        .env("IDEMGATE_LOG", "warn")
+        .env("IDEMGATE_LOG", level)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let process = Process {

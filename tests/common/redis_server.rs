@@ -78,6 +78,17 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the server process.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("the server is running").id();
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
     /// Stops the server (SIGKILL): the store must notice.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
