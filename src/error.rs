@@ -20,6 +20,9 @@ use crate::store::StoreError;
 /// that did not answer.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// The header the OpenAI and Anthropic SDKs read before retrying on their own.
+pub const SHOULD_RETRY: http::HeaderName = http::HeaderName::from_static("x-should-retry");
+
 /// Every error the gateway itself answers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProblemKind {
@@ -104,6 +107,15 @@ impl ProblemKind {
             Self::NoRoute | Self::NotFound => StatusCode::NOT_FOUND,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
+    }
+
+    /// `x-should-retry`, the header the Stainless-generated SDKs obey: retrying with the same
+    /// key can only help when the answer may change by itself.
+    pub fn should_retry(self) -> bool {
+        matches!(
+            self,
+            Self::RequestInProgress | Self::StoreUnavailable | Self::Overloaded
+        )
     }
 
     fn title(self) -> &'static str {
@@ -219,6 +231,16 @@ struct Body<'a> {
     job_id: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<String>,
+    /// The shape the OpenAI and Anthropic SDKs read their exception's message from.
+    error: SdkError<'a>,
+}
+
+#[derive(Serialize)]
+struct SdkError<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    code: &'static str,
 }
 
 tokio::task_local! {
@@ -397,6 +419,11 @@ impl Problem {
             detail: &self.detail,
             job_id: self.job_id.as_deref(),
             request_id: REQUEST_ID.try_with(Clone::clone).ok(),
+            error: SdkError {
+                message: &self.detail,
+                kind: self.kind.slug(),
+                code: self.kind.slug(),
+            },
         };
         Bytes::from(serde_json::to_vec(&body).expect("a problem always serialises"))
     }
@@ -410,6 +437,14 @@ impl Problem {
         headers.insert(
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
+        );
+        headers.insert(
+            SHOULD_RETRY,
+            HeaderValue::from_static(if self.kind.should_retry() {
+                "true"
+            } else {
+                "false"
+            }),
         );
         if let Some(after) = self.retry_after {
             headers.insert(
@@ -450,6 +485,60 @@ mod tests {
         )
         .unwrap();
         assert!(v.get("job_id").is_none());
+    }
+
+    #[test]
+    fn every_slug_says_whether_an_sdk_should_retry_it() {
+        use ProblemKind as K;
+        let table = [
+            (K::MissingOwner, "missing-owner", 401, false),
+            (
+                K::MissingIdempotencyKey,
+                "missing-idempotency-key",
+                400,
+                false,
+            ),
+            (
+                K::InvalidIdempotencyKey,
+                "invalid-idempotency-key",
+                400,
+                false,
+            ),
+            (K::PayloadTooLarge, "payload-too-large", 413, false),
+            (
+                K::IdempotencyKeyReused,
+                "idempotency-key-reused",
+                409,
+                false,
+            ),
+            (K::RequestInProgress, "request-in-progress", 409, true),
+            (K::OutcomeUnknown, "outcome-unknown", 409, false),
+            (K::AttemptTimedOut, "outcome-unknown", 504, false),
+            (K::AllProvidersFailed, "all-providers-failed", 502, false),
+            (K::StoreUnavailable, "store-unavailable", 503, true),
+            (K::NoRoute, "no-route", 404, false),
+            (K::Unauthorized, "unauthorized", 401, false),
+            (K::AmbiguousOwner, "ambiguous-owner", 400, false),
+            (K::UnknownClient, "unknown-client", 401, false),
+            (K::RequestTimeout, "request-timeout", 408, false),
+            (K::Overloaded, "overloaded", 503, true),
+            (K::Internal, "internal", 500, false),
+        ];
+        for (kind, slug, status, retry) in table {
+            let response = Problem::new(kind, "why").into_response();
+            assert_eq!(response.status(), status, "{slug}");
+            assert_eq!(
+                response.headers()["x-should-retry"],
+                if retry { "true" } else { "false" },
+                "{slug}"
+            );
+            let body: serde_json::Value =
+                serde_json::from_slice(&Problem::new(kind, "why").body()).unwrap();
+            assert_eq!(body["type"], format!("urn:idemgate:{slug}"));
+            assert_eq!(body["error"]["message"], "why", "{slug}");
+            assert_eq!(body["error"]["type"], slug);
+            assert_eq!(body["error"]["code"], slug);
+        }
     }
 
     #[test]

@@ -166,7 +166,7 @@ impl ConnState {
 fn request_timeout() -> Bytes {
     let body = crate::error::Problem::from(crate::error::Cause::HeadTimeout).body();
     let mut out = format!(
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
         body.len()
     )
     .into_bytes();

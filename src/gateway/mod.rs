@@ -189,9 +189,13 @@ impl Gateway {
         }
         let bytes = body.read(&parts).await?;
         let fingerprint = match key {
-            Some(_) => intent::fingerprint(
+            Some(_) => intent::fingerprint_of(
                 parts.method.as_str(),
                 &path_and_query,
+                parts
+                    .headers
+                    .get(http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok()),
                 &bytes,
                 &idem.fingerprint_ignore,
             ),

@@ -1,10 +1,10 @@
 //! Identity and intent: who owns a key (the owner), which intent it names (the key) and what
 //! the intent is (the fingerprint), SPEC §3 steps 2–5.
 
-use std::io::Write;
+mod canonical;
+mod multipart;
 
 use http::HeaderMap;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// How the owner of a request is determined (`idempotency.owner`).
@@ -182,113 +182,72 @@ impl IgnoredPointer {
                 .collect(),
         ))
     }
-
-    fn remove(&self, value: &mut Value) {
-        let Some((last, parents)) = self.0.split_last() else {
-            return;
-        };
-        let mut node = value;
-        for token in parents {
-            node = match node {
-                Value::Object(map) => match map.get_mut(token) {
-                    Some(child) => child,
-                    None => return,
-                },
-                Value::Array(items) => {
-                    match token.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
-                        Some(child) => child,
-                        None => return,
-                    }
-                }
-                _ => return,
-            };
-        }
-        match node {
-            Value::Object(map) => {
-                map.remove(last);
-            }
-            Value::Array(items) => {
-                if let Some(i) = last.parse::<usize>().ok().filter(|&i| i < items.len()) {
-                    items.remove(i);
-                }
-            }
-            _ => {}
-        }
-    }
 }
 
-/// SHA-256 (hex) of the intent: method, path and query, and the body — canonical JSON when
-/// the body parses as JSON (with `ignore` pointers removed), raw bytes otherwise.
+/// SHA-256 (hex) of the intent: method, path and query, and the body — its canonical JSON
+/// form when it is one JSON value (with `ignore` pointers removed), its parts when it is a
+/// `multipart/form-data` form, its raw bytes otherwise (SPEC §3 step 5).
 pub fn fingerprint(
     method: &str,
     path_and_query: &str,
     body: &[u8],
     ignore: &[IgnoredPointer],
 ) -> String {
-    let mut hasher = Sha256::new();
-    // Length-prefixed fields, so no two different intents hash the same bytes.
-    for part in [method.as_bytes(), path_and_query.as_bytes()] {
-        hasher.update((part.len() as u64).to_be_bytes());
-        hasher.update(part);
-    }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(mut json) => {
-            for pointer in ignore {
-                pointer.remove(&mut json);
-            }
-            let mut canonical = Vec::with_capacity(body.len());
-            write_canonical(&json, &mut canonical);
-            hasher.update(b"json");
-            hasher.update(&canonical);
-        }
-        Err(_) => {
-            hasher.update(b"raw ");
-            hasher.update(body);
-        }
-    }
-    hex::encode(hasher.finalize())
+    fingerprint_of(method, path_and_query, None, body, ignore)
 }
 
-/// Canonical JSON: object keys sorted by their UTF-8 bytes, no insignificant whitespace.
-/// Written by hand rather than trusting `serde_json::Map`'s order, which a dependency
-/// enabling `preserve_order` would silently change.
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            out.push(b'{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                serde_json::to_writer(&mut *out, k).expect("writing to a Vec cannot fail");
-                out.push(b':');
-                write_canonical(v, out);
+/// [`fingerprint`] for a body of this `Content-Type`.
+pub fn fingerprint_of(
+    method: &str,
+    path_and_query: &str,
+    content_type: Option<&str>,
+    body: &[u8],
+    ignore: &[IgnoredPointer],
+) -> String {
+    let mut hasher = Sha256::new();
+    // Length-prefixed fields, so no two different intents hash the same bytes.
+    let field = |hasher: &mut Sha256, bytes: &[u8]| {
+        hasher.update((bytes.len() as u64).to_be_bytes());
+        hasher.update(bytes);
+    };
+    field(&mut hasher, method.as_bytes());
+    field(&mut hasher, path_and_query.as_bytes());
+    if let Some(mut json) = canonical::Document::parse(body) {
+        for pointer in ignore {
+            json.remove(&pointer.0);
+        }
+        let mut canonical = Vec::with_capacity(body.len());
+        json.write(&mut canonical);
+        hasher.update(b"json");
+        hasher.update(&canonical);
+    } else if let Some(parts) = content_type
+        .and_then(multipart::boundary)
+        .and_then(|boundary| multipart::parts(body, &boundary))
+    {
+        hasher.update(b"form");
+        for part in parts {
+            field(&mut hasher, part.name.as_bytes());
+            match &part.filename {
+                Some(name) => field(&mut hasher, format!("f{name}").as_bytes()),
+                None => field(&mut hasher, b"-"),
             }
-            out.push(b'}');
-        }
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(v, out);
+            match &part.content_type {
+                Some(kind) => field(&mut hasher, format!("t{kind}").as_bytes()),
+                None => field(&mut hasher, b"-"),
             }
-            out.push(b']');
+            field(&mut hasher, part.body);
         }
-        scalar => {
-            let _ = write!(out, "{scalar}");
-        }
+    } else {
+        hasher.update(b"raw ");
+        hasher.update(body);
     }
+    hex::encode(hasher.finalize())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::{HeaderName, HeaderValue};
-    use proptest::prelude::*;
 
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut map = HeaderMap::new();
@@ -475,113 +434,44 @@ mod tests {
         );
     }
 
-    fn json_value() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
-            "[a-z0-9 ]{0,8}".prop_map(Value::String),
-        ];
-        leaf.prop_recursive(4, 32, 6, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
-                prop::collection::btree_map("[a-z]{1,4}", inner, 0..6)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
+    #[test]
+    fn the_payloads_that_once_shared_a_fingerprint_no_longer_do() {
+        let fp = |body: &str| fingerprint("POST", "/v1/chat/completions", body.as_bytes(), &[]);
+        assert_ne!(
+            fp(r#"{"seed":18446744073709551616}"#),
+            fp(r#"{"seed":18446744073709551617}"#)
+        );
+        assert_ne!(
+            fp(r#"{"max_tokens":1,"max_tokens":5}"#),
+            fp(r#"{"max_tokens":999999,"max_tokens":5}"#)
+        );
+        assert_eq!(fp(r#"{"t":1.0}"#), fp(r#"{"t":1.00}"#));
+        assert_eq!(fp(r#"{"t":100.0}"#), fp(r#"{"t":1e2}"#));
+        assert_ne!(fp(r#"{"t":1}"#), fp(r#"{"t":"1"}"#));
     }
 
-    /// Serialises `value` with every object's keys in a shuffled order, and arbitrary spacing.
-    fn next(seed: &mut u64) -> usize {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 33) as usize
-    }
-
-    fn reordered(value: &Value, seed: &mut u64, out: &mut String) {
-        match value {
-            Value::Object(map) => {
-                let mut entries: Vec<_> = map.iter().collect();
-                for i in (1..entries.len()).rev() {
-                    entries.swap(i, next(seed) % (i + 1));
-                }
-                out.push('{');
-                for (i, (k, v)) in entries.into_iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(if next(seed) % 2 == 0 { "," } else { " ,\n " });
-                    }
-                    out.push_str(&serde_json::to_string(k).unwrap());
-                    out.push_str(if next(seed) % 2 == 0 { ":" } else { " : " });
-                    reordered(v, seed, out);
-                }
-                out.push('}');
-            }
-            Value::Array(items) => {
-                out.push('[');
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(", ");
-                    }
-                    reordered(v, seed, out);
-                }
-                out.push(']');
-            }
-            scalar => out.push_str(&scalar.to_string()),
-        }
-    }
-
-    /// Every path to a leaf, as pointer tokens.
-    fn leaves(value: &Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
-        match value {
-            Value::Object(map) if !map.is_empty() => {
-                for (k, v) in map {
-                    path.push(k.clone());
-                    leaves(v, path, out);
-                    path.pop();
-                }
-            }
-            Value::Array(items) if !items.is_empty() => {
-                for (i, v) in items.iter().enumerate() {
-                    path.push(i.to_string());
-                    leaves(v, path, out);
-                    path.pop();
-                }
-            }
-            _ => out.push(path.clone()),
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn reordering_keys_never_changes_the_fingerprint(value in json_value(), seed in any::<u64>()) {
-            let mut seed = seed;
-            let mut text = String::new();
-            reordered(&value, &mut seed, &mut text);
-            let original = serde_json::to_vec(&value).unwrap();
-            prop_assert_eq!(
-                fingerprint("POST", "/v1", &original, &[]),
-                fingerprint("POST", "/v1", text.as_bytes(), &[])
-            );
-        }
-
-        #[test]
-        fn changing_any_value_changes_the_fingerprint(value in json_value(), pick in any::<usize>()) {
-            let mut paths = Vec::new();
-            leaves(&value, &mut Vec::new(), &mut paths);
-            let path = &paths[pick % paths.len()];
-            let mut changed = value.clone();
-            let pointer: String = path.iter().map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1"))).collect();
-            let leaf = changed.pointer_mut(&pointer).unwrap();
-            // A value of another type can never equal the original leaf.
-            *leaf = match leaf {
-                Value::String(s) => Value::String(format!("{s}!")),
-                _ => Value::String("changed".into()),
-            };
-            prop_assert_ne!(
-                fingerprint("POST", "/v1", &serde_json::to_vec(&value).unwrap(), &[]),
-                fingerprint("POST", "/v1", &serde_json::to_vec(&changed).unwrap(), &[])
-            );
-        }
+    #[test]
+    fn a_form_is_fingerprinted_by_its_parts_not_its_boundary() {
+        let form = |boundary: &str, file: &str| {
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\n{file}\r\n--{boundary}--\r\n"
+            )
+        };
+        let fp = |boundary: &str, file: &str| {
+            fingerprint_of(
+                "POST",
+                "/v1/audio/transcriptions",
+                Some(&format!("multipart/form-data; boundary={boundary}")),
+                form(boundary, file).as_bytes(),
+                &[],
+            )
+        };
+        assert_eq!(fp("aaa", "RIFF1"), fp("bbbbbb", "RIFF1"));
+        assert_ne!(fp("aaa", "RIFF1"), fp("aaa", "RIFF2"));
+        // Not a form by its content type: its bytes, boundary and all.
+        assert_ne!(
+            fingerprint("POST", "/x", form("aaa", "RIFF1").as_bytes(), &[]),
+            fingerprint("POST", "/x", form("bbb", "RIFF1").as_bytes(), &[])
+        );
     }
 }
