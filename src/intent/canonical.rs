@@ -18,21 +18,27 @@
 #[derive(Debug)]
 pub(super) struct Document {
     nodes: Vec<Node>,
+    /// Every scalar and member name in canonical form, one after another: one allocation
+    /// for all of them.
+    bytes: Vec<u8>,
     root: usize,
 }
+
+/// A run of [`Document::bytes`].
+type Span = (usize, usize);
 
 #[derive(Debug)]
 enum Node {
     /// A string, number or literal, already in canonical form.
-    Scalar(Vec<u8>),
+    Scalar(Span),
     Array(Vec<usize>),
     /// Members as canonical (quoted) names and value nodes, in document order.
-    Object(Vec<(Vec<u8>, usize)>),
+    Object(Vec<(Span, usize)>),
 }
 
 enum Frame {
     Array(usize),
-    Object { node: usize, name: Vec<u8> },
+    Object { node: usize, name: Span },
 }
 
 impl Document {
@@ -40,7 +46,11 @@ impl Document {
     pub(super) fn parse(text: &[u8]) -> Option<Self> {
         // Checked once up front: every string below can then copy bytes as they are.
         std::str::from_utf8(text).ok()?;
-        let mut p = Parser { text, pos: 0 };
+        let mut p = Parser {
+            text,
+            pos: 0,
+            out: Vec::with_capacity(text.len()),
+        };
         let mut nodes: Vec<Node> = Vec::new();
         let mut stack: Vec<Frame> = Vec::new();
         p.skip_ws();
@@ -84,7 +94,11 @@ impl Document {
                 p.skip_ws();
                 match stack.last_mut() {
                     None => {
-                        return (p.pos == text.len()).then_some(Self { nodes, root: done });
+                        return (p.pos == text.len()).then_some(Self {
+                            nodes,
+                            bytes: p.out,
+                            root: done,
+                        });
                     }
                     Some(Frame::Array(array)) => {
                         let array = *array;
@@ -107,7 +121,7 @@ impl Document {
                     }
                     Some(Frame::Object { node, name }) => {
                         let object = *node;
-                        let name = std::mem::take(name);
+                        let name = *name;
                         if let Node::Object(members) = &mut nodes[object] {
                             members.push((name, done));
                         }
@@ -148,7 +162,7 @@ impl Document {
                     Node::Object(members) => next.extend(
                         members
                             .iter()
-                            .filter(|(n, _)| *n == name)
+                            .filter(|(n, _)| self.span(*n) == name.as_slice())
                             .map(|(_, child)| *child),
                     ),
                     Node::Array(items) => {
@@ -163,9 +177,12 @@ impl Document {
             at = next;
         }
         let name = quoted(last);
+        let bytes = &self.bytes;
         for id in at {
             match &mut self.nodes[id] {
-                Node::Object(members) => members.retain(|(n, _)| *n != name),
+                Node::Object(members) => {
+                    members.retain(|(n, _)| &bytes[n.0..n.1] != name.as_slice());
+                }
                 Node::Array(items) => {
                     if let Some(i) = last.parse::<usize>().ok().filter(|&i| i < items.len()) {
                         items.remove(i);
@@ -176,19 +193,24 @@ impl Document {
         }
     }
 
+    fn span(&self, (start, end): Span) -> &[u8] {
+        &self.bytes[start..end]
+    }
+
     /// The canonical form, written without recursion.
     pub(super) fn write(mut self, out: &mut Vec<u8>) {
+        let bytes = &self.bytes;
         for node in &mut self.nodes {
             if let Node::Object(members) = node {
                 // Stable: members of one name keep their document order.
-                members.sort_by(|a, b| a.0.cmp(&b.0));
+                members.sort_by(|a, b| bytes[a.0 .0..a.0 .1].cmp(&bytes[b.0 .0..b.0 .1]));
             }
         }
         // (node, next child to write)
         let mut stack: Vec<(usize, usize)> = vec![(self.root, 0)];
         while let Some((id, child)) = stack.pop() {
             match &self.nodes[id] {
-                Node::Scalar(bytes) => out.extend_from_slice(bytes),
+                Node::Scalar(span) => out.extend_from_slice(self.span(*span)),
                 Node::Array(items) => {
                     out.push(if child == 0 { b'[' } else { b',' });
                     match items.get(child) {
@@ -208,7 +230,7 @@ impl Document {
                     out.push(if child == 0 { b'{' } else { b',' });
                     match members.get(child) {
                         Some((name, value)) => {
-                            out.extend_from_slice(name);
+                            out.extend_from_slice(self.span(*name));
                             out.push(b':');
                             stack.push((id, child + 1));
                             stack.push((*value, 0));
@@ -244,7 +266,11 @@ fn push_code_point(out: &mut Vec<u8>, c: u32) {
         0x22 => out.extend_from_slice(b"\\\""),
         0x5c => out.extend_from_slice(b"\\\\"),
         0..=0x1f | 0xd800..=0xdfff => {
-            out.extend_from_slice(format!("\\u{c:04x}").as_bytes());
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(b"\\u");
+            for shift in [12, 8, 4, 0] {
+                out.push(HEX[((c >> shift) & 0xf) as usize]);
+            }
         }
         _ => {
             let c = char::from_u32(c).expect("not a surrogate");
@@ -257,6 +283,8 @@ fn push_code_point(out: &mut Vec<u8>, c: u32) {
 struct Parser<'a> {
     text: &'a [u8],
     pos: usize,
+    /// Where scalars and names are written in canonical form.
+    out: Vec<u8>,
 }
 
 impl<'a> Parser<'a> {
@@ -270,7 +298,7 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn member_name(&mut self) -> Option<Vec<u8>> {
+    fn member_name(&mut self) -> Option<Span> {
         self.skip_ws();
         if self.peek()? != b'"' {
             return None;
@@ -285,15 +313,22 @@ impl<'a> Parser<'a> {
         Some(name)
     }
 
-    fn scalar(&mut self) -> Option<Vec<u8>> {
+    fn scalar(&mut self) -> Option<Span> {
         match self.peek()? {
             b'"' => self.string(),
-            b'-' | b'0'..=b'9' => self.number(),
+            b'-' | b'0'..=b'9' => {
+                let start = self.out.len();
+                let number = self.number()?;
+                self.out.extend_from_slice(&number);
+                Some((start, self.out.len()))
+            }
             _ => {
                 for literal in [&b"true"[..], b"false", b"null"] {
                     if self.text[self.pos..].starts_with(literal) {
                         self.pos += literal.len();
-                        return Some(literal.to_vec());
+                        let start = self.out.len();
+                        self.out.extend_from_slice(literal);
+                        return Some((start, self.out.len()));
                     }
                 }
                 None
@@ -302,9 +337,10 @@ impl<'a> Parser<'a> {
     }
 
     /// A string, from its opening quote, in canonical form.
-    fn string(&mut self) -> Option<Vec<u8>> {
+    fn string(&mut self) -> Option<Span> {
         self.pos += 1;
-        let mut out = Vec::new();
+        let start = self.out.len();
+        let out = &mut self.out;
         out.push(b'"');
         loop {
             // Plain bytes up to the next quote, escape or control character, in one copy.
@@ -317,56 +353,16 @@ impl<'a> Parser<'a> {
                 b'"' => {
                     self.pos += 1;
                     out.push(b'"');
-                    return Some(out);
+                    return Some((start, out.len()));
                 }
                 b'\\' => {
-                    let c = self.escape()?;
-                    push_code_point(&mut out, c);
+                    let (c, used) = escape(&self.text[self.pos..])?;
+                    self.pos += used;
+                    push_code_point(out, c);
                 }
                 _ => return None,
             }
         }
-    }
-
-    /// One escape sequence, from its backslash: the code point it names. A surrogate pair
-    /// is one code point; a lone surrogate stays itself.
-    fn escape(&mut self) -> Option<u32> {
-        let c = *self.text.get(self.pos + 1)?;
-        self.pos += 2;
-        Some(match c {
-            b'"' => 0x22,
-            b'\\' => 0x5c,
-            b'/' => 0x2f,
-            b'b' => 0x08,
-            b'f' => 0x0c,
-            b'n' => 0x0a,
-            b'r' => 0x0d,
-            b't' => 0x09,
-            b'u' => {
-                let high = self.hex4()?;
-                if (0xd800..0xdc00).contains(&high) && self.text[self.pos..].starts_with(b"\\u") {
-                    let save = self.pos;
-                    self.pos += 2;
-                    let low = self.hex4()?;
-                    if (0xdc00..0xe000).contains(&low) {
-                        return Some(0x10000 + ((high - 0xd800) << 10) + (low - 0xdc00));
-                    }
-                    self.pos = save;
-                }
-                high
-            }
-            _ => return None,
-        })
-    }
-
-    fn hex4(&mut self) -> Option<u32> {
-        let digits = self.text.get(self.pos..self.pos + 4)?;
-        let text = std::str::from_utf8(digits).ok()?;
-        if !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return None;
-        }
-        self.pos += 4;
-        u32::from_str_radix(text, 16).ok()
     }
 
     /// A number in canonical form: `[-]digits[e[-]exponent]`, with no leading or trailing
@@ -444,6 +440,39 @@ impl<'a> Parser<'a> {
         }
         &text[start..self.pos]
     }
+}
+
+/// One escape sequence at the start of `text` (its backslash first): the code point it
+/// names and the bytes it used. A surrogate pair is one code point; a lone surrogate stays
+/// itself.
+fn escape(text: &[u8]) -> Option<(u32, usize)> {
+    let hex4 = |at: usize| -> Option<u32> {
+        let digits = text.get(at..at + 4)?;
+        if !digits.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+    };
+    Some(match *text.get(1)? {
+        b'"' => (0x22, 2),
+        b'\\' => (0x5c, 2),
+        b'/' => (0x2f, 2),
+        b'b' => (0x08, 2),
+        b'f' => (0x0c, 2),
+        b'n' => (0x0a, 2),
+        b'r' => (0x0d, 2),
+        b't' => (0x09, 2),
+        b'u' => {
+            let high = hex4(2)?;
+            if (0xd800..0xdc00).contains(&high) && text[6..].starts_with(b"\\u") {
+                if let Some(low) = hex4(8).filter(|low| (0xdc00..0xe000).contains(low)) {
+                    return Some((0x10000 + ((high - 0xd800) << 10) + (low - 0xdc00), 12));
+                }
+            }
+            (high, 6)
+        }
+        _ => return None,
+    })
 }
 
 /// `(negative, digits) + shift` for a decimal integer of any length and a small shift:
