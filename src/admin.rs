@@ -89,24 +89,23 @@ impl Admin {
                 Ok(json_response(StatusCode::OK, job_view(&record)))
             }
             (&Method::POST, ["jobs", id, "cancel"]) => {
-                // Which attempts the cancel resolves, for the attempts counter.
-                let live: Vec<String> = match self.engine.store().get(id).await {
-                    Ok(Some(record)) => record
-                        .attempts
-                        .iter()
-                        .filter(|a| a.state.is_live())
-                        .map(|a| a.provider.clone())
-                        .collect(),
-                    _ => Vec::new(),
+                // Which attempts the cancel resolves, for the attempts counter, and the version
+                // it cancels: a retried apply of it is then recognised as already applied.
+                let record = self.engine.store().get(id).await.map_err(store_problem)?;
+                let record = record.ok_or_else(|| not_found(id))?;
+                let live: Vec<String> = record
+                    .attempts
+                    .iter()
+                    .filter(|a| a.state.is_live())
+                    .map(|a| a.provider.clone())
+                    .collect();
+                let cancel = Transition::CancelAt {
+                    version: record.job.version,
                 };
-                let applied =
-                    self.engine
-                        .apply(id, Transition::Cancel)
-                        .await
-                        .map_err(|e| match e {
-                            StoreError::NotFound(_) => not_found(id),
-                            e => store_problem(e),
-                        })?;
+                let applied = self.engine.apply(id, cancel).await.map_err(|e| match e {
+                    StoreError::NotFound(_) => not_found(id),
+                    e => store_problem(e),
+                })?;
                 match applied.outcome {
                     Ok(_) => {
                         for provider in &live {

@@ -73,6 +73,7 @@ pub struct Metrics {
     panics: Counter,
     late_dropped: Counter,
     stream_buffered: Gauge,
+    leases_expired: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -156,7 +157,14 @@ impl Default for Metrics {
             "Bytes of live streams held in memory (recordings and unread chunks)",
             stream_buffered.clone(),
         );
+        let leases_expired = Counter::default();
+        registry.register(
+            "leases_expired",
+            "Jobs left in_progress by a gateway that stopped, moved to unknown once their lease lapsed",
+            leases_expired.clone(),
+        );
         Self {
+            leases_expired,
             unprotected,
             panics,
             late_dropped,
@@ -226,6 +234,10 @@ impl Metrics {
 
     pub fn panicked(&self) {
         self.panics.inc();
+    }
+
+    pub fn lease_expired(&self) {
+        self.leases_expired.inc();
     }
 
     pub fn late_result_dropped(&self) {

@@ -194,9 +194,12 @@ impl Recording {
         }
     }
 
-    /// Whether a duplicate can still join from the first byte.
+    /// Whether a duplicate can still join from the first byte: not once it overflowed, and
+    /// not once it was cut (its job is about to fail; the duplicate waits for that and
+    /// re-opens it instead of relaying a broken answer).
     pub fn joinable(&self) -> bool {
-        !self.lock().overflowed
+        let state = self.lock();
+        !state.overflowed && !matches!(state.end, Some(Err(_)))
     }
 
     /// The whole recording, or an empty body flagged omitted when it overflowed.

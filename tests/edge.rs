@@ -828,7 +828,9 @@ async fn past_max_connections_clients_wait_and_the_descriptors_stay_bounded() {
     .await;
     assert_eq!(served.status, 200);
     let peak = open_fds(pid);
-    eprintln!("max_connections = 50, 200 idle clients: {peak} descriptors open (baseline {baseline})");
+    eprintln!(
+        "max_connections = 50, 200 idle clients: {peak} descriptors open (baseline {baseline})"
+    );
     assert!(
         peak <= baseline + 50 + 10,
         "{peak} descriptors open with max_connections = 50 (baseline {baseline})"

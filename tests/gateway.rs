@@ -525,6 +525,7 @@ async fn a_job_whose_gateway_died_is_unknown_once_its_lease_lapses() {
             "job_orphan",
             idemgate::job::Transition::StartAttempt {
                 version: 1,
+                n: 1,
                 provider: "primary".into(),
             },
             now,

@@ -358,6 +358,7 @@ impl Runner {
                 provider, stale, ..
             } => Transition::StartAttempt {
                 version: version(stale),
+                n: record.attempts.last().map_or(1, |a| a.n + 1),
                 provider: format!("p{provider}"),
             },
             Op::Complete {

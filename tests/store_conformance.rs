@@ -3,6 +3,7 @@
 
 mod common;
 mod conformance;
+mod faults;
 
 use std::sync::Arc;
 

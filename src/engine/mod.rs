@@ -166,6 +166,9 @@ impl Engine {
             store,
         });
         if tokio::runtime::Handle::try_current().is_ok() {
+            let stopping = engine.stopping.clone();
+            let sweep = sweep_leases(Arc::downgrade(&engine));
+            engine.spawn(async move { stopping.run_until_cancelled(sweep).await });
             for route in engine
                 .config
                 .routes
@@ -305,6 +308,7 @@ impl Engine {
         let first_attempt = if self.breakers.is_closed(route.providers[0]) {
             let start = Transition::StartAttempt {
                 version: record.job.version,
+                n: 1,
                 provider: self.config.provider(route.providers[0]).name.clone(),
             };
             match record.apply(start, now, &policy) {
@@ -331,6 +335,7 @@ impl Engine {
                 tracing::Span::current().record("job_id", record.job.id.as_str());
                 debug!(job_id = %record.job.id, route = %route.name, "new job");
                 let job = RoundJob {
+                    next_n: next_ordinal(&record),
                     id: record.job.id,
                     version: record.job.version,
                     first_attempt,
@@ -368,7 +373,8 @@ impl Engine {
                         Ok(applied) => applied,
                         Err(e) => return store_failed(e),
                     };
-                    if applied.outcome.is_ok() {
+                    if matches!(applied.outcome, Ok(Effect::Applied)) {
+                        self.metrics.lease_expired();
                         warn!(job_id = %id, "job's lease lapsed (its gateway stopped); the job is unknown");
                     }
                     record = applied.record;
@@ -385,7 +391,12 @@ impl Engine {
                     if record.job.completed_by.is_some() {
                         // Streaming on another gateway: follow its mirror in the store.
                         match self.store.read_stream(&id, 0).await {
-                            Ok(Some(mirror)) => return Outcome::Follow { job_id: id, mirror },
+                            // A stream already cut is about to fail its job: wait for that,
+                            // then re-open, rather than relay a broken answer.
+                            Ok(Some(mirror)) if !matches!(mirror.end, Some(Err(_))) => {
+                                return Outcome::Follow { job_id: id, mirror }
+                            }
+                            Ok(Some(_)) => {}
                             Ok(None) => {}
                             Err(e) => return store_failed(e),
                         }
@@ -426,6 +437,7 @@ impl Engine {
                             id,
                             version: applied.record.job.version,
                             first_attempt: None,
+                            next_n: next_ordinal(&applied.record),
                         };
                         return self.run_job(route, job, request).await;
                     }
@@ -550,6 +562,48 @@ impl Engine {
     }
 }
 
+/// The lease sweep (SPEC §4): jobs whose gateway died mid-round are moved to `unknown` by the
+/// next request that sees them — and by this sweep when none comes, within `lease` + 10 s,
+/// so operators see crash orphans in `GET /jobs?state=unknown` and the gauge. Ends when the
+/// engine is dropped or stopped.
+async fn sweep_leases(engine: std::sync::Weak<Engine>) {
+    let every = match engine.upgrade() {
+        Some(engine) => (engine.config.idempotency.lease / 2).min(Duration::from_secs(5)),
+        None => return,
+    };
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        let lapsed = match engine.store.lapsed_leases(crate::clock::now(), 100).await {
+            Ok(lapsed) => lapsed,
+            Err(e) => {
+                warn!(error = %e, "lease sweep: cannot list in-progress jobs");
+                continue;
+            }
+        };
+        for (id, version) in lapsed {
+            // A job of this very gateway is renewed by its round: never expired from here.
+            if engine.lock_rounds().contains_key(&id) {
+                continue;
+            }
+            match engine.apply(&id, Transition::ExpireLease { version }).await {
+                Ok(Applied { outcome: Ok(_), .. }) => {
+                    engine.metrics.lease_expired();
+                    warn!(job_id = %id, "job's lease lapsed (its gateway stopped); the sweep marked it unknown");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(job_id = %id, error = %e, "lease sweep: cannot mark the job unknown")
+                }
+            }
+        }
+    }
+}
+
 /// A round's entry in [`Engine::rounds`], removed when the round's task ends or is dropped.
 struct RoundRegistration<'a> {
     engine: &'a Engine,
@@ -570,6 +624,11 @@ impl Drop for RoundRegistration<'_> {
     fn drop(&mut self) {
         self.engine.lock_rounds().remove(&self.id);
     }
+}
+
+/// The ordinal of a job's next attempt.
+fn next_ordinal(record: &JobRecord) -> u32 {
+    record.attempts.last().map_or(1, |a| a.n + 1)
 }
 
 /// A settled job's stored answer, or why there is none to give.

@@ -33,6 +33,9 @@ pub struct RoundJob {
     /// The round's first attempt when it was registered with the claim itself, which saves
     /// a store round trip on every new job.
     pub first_attempt: Option<u32>,
+    /// The ordinal the round's next attempt takes: what a `StartAttempt` expects, so that
+    /// applying it twice starts one attempt.
+    pub next_n: u32,
 }
 
 /// How a round ended, from the point of view of the request that ran it.
@@ -251,12 +254,18 @@ impl Round {
                 let applied = self
                     .apply(Transition::StartAttempt {
                         version: job.version,
+                        n: job.next_n,
                         provider: provider.name.clone(),
                     })
                     .await
                     .map_err(RoundEnd::Store)?;
                 match applied.outcome {
-                    Ok(Effect::AttemptStarted { n, .. }) => n,
+                    Ok(Effect::AttemptStarted { n, .. }) => {
+                        if let Some(job) = &mut self.job {
+                            job.next_n = n + 1;
+                        }
+                        n
+                    }
                     // The job moved on without this round (cancelled out of band).
                     _ => return Err(RoundEnd::Settled),
                 }

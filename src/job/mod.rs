@@ -303,9 +303,26 @@ impl JobRecord {
 
     fn transition(&mut self, transition: Transition, now: SystemTime) -> Result<Effect, Rejection> {
         match transition {
-            Transition::StartAttempt { version, provider } => {
+            Transition::StartAttempt {
+                version,
+                n,
+                provider,
+            } => {
+                if let Some(existing) = self.attempts.iter().find(|a| a.n == n) {
+                    return if existing.read_version == version && existing.provider == provider {
+                        // Already applied: the reply to the first apply was lost.
+                        Ok(Effect::AttemptStarted {
+                            n,
+                            read_version: version,
+                        })
+                    } else {
+                        Err(self.wrong_state())
+                    };
+                }
                 self.expect(JobState::InProgress, version)?;
-                let n = self.attempts.last().map_or(1, |a| a.n + 1);
+                if n != self.attempts.last().map_or(1, |a| a.n + 1) {
+                    return Err(self.wrong_state());
+                }
                 self.attempts.push(Attempt {
                     n,
                     provider,
@@ -330,6 +347,9 @@ impl JobRecord {
             } => self.fail_attempt(n, kind, upstream_status, error, now),
             Transition::AttemptUnknown { n, error } => {
                 let attempt = self.attempt_mut(n)?;
+                if attempt.state == AttemptState::Unknown {
+                    return Ok(Effect::Applied);
+                }
                 if attempt.state != AttemptState::Started {
                     return Ok(Effect::Discarded);
                 }
@@ -338,6 +358,11 @@ impl JobRecord {
                 Ok(Effect::Applied)
             }
             Transition::MarkUnknown { version } | Transition::ExpireLease { version } => {
+                // Marking unknown leaves the version as it is: at the same version, unknown
+                // is this transition already applied.
+                if self.job.state == JobState::Unknown && self.job.version == version {
+                    return Ok(Effect::Applied);
+                }
                 self.expect(JobState::InProgress, version)?;
                 self.job.state = JobState::Unknown;
                 for attempt in &mut self.attempts {
@@ -351,6 +376,9 @@ impl JobRecord {
                 Ok(Effect::Applied)
             }
             Transition::FailRound { version } => {
+                if self.job.state == JobState::Failed && self.job.version == version + 1 {
+                    return Ok(Effect::Applied);
+                }
                 self.expect(JobState::InProgress, version)?;
                 // A round fails only when every attempt of it definitely failed: one that may
                 // still run would otherwise overlap the next round.
@@ -364,7 +392,12 @@ impl JobRecord {
             Transition::BeginStream { n } => self.begin_stream(n, now),
             Transition::EndStream { n, response } => self.end_stream(n, Ok(response), now),
             Transition::CutStream { n, error } => self.end_stream(n, Err(error), now),
-            Transition::Cancel => {
+            Transition::CancelAt { version }
+                if self.job.state == JobState::Cancelled && self.job.version == version + 1 =>
+            {
+                Ok(Effect::Applied)
+            }
+            Transition::Cancel | Transition::CancelAt { .. } => {
                 if self.job.state.is_settled() {
                     return Err(Rejection::AlreadySettled(self.job.state));
                 }
@@ -384,6 +417,13 @@ impl JobRecord {
                 version,
                 lease_until,
             } => {
+                if self.job.state == JobState::InProgress
+                    && self.job.version == version + 1
+                    && self.job.lease_until == lease_until
+                {
+                    // This very re-open, applied before: its lease instant is its own.
+                    return Ok(Effect::Applied);
+                }
                 if !matches!(self.job.state, JobState::Failed | JobState::Cancelled)
                     || self.job.version != version
                 {
@@ -420,6 +460,11 @@ impl JobRecord {
         if attempt.state == AttemptState::Succeeded && job.completed_by == Some(n) {
             // Re-applied after a store blip swallowed the first reply: the same win.
             return Ok(Effect::Won);
+        }
+        if attempt.state == AttemptState::LostRace {
+            return Ok(Effect::LostRace {
+                completed_by: job.completed_by,
+            });
         }
         if !attempt.state.is_live() {
             // A cancelled attempt stays cancelled; an already finished one cannot finish twice.
@@ -483,7 +528,18 @@ impl JobRecord {
     ) -> Result<Effect, Rejection> {
         let holds_slot = self.job.completed_by == Some(n)
             && matches!(self.job.state, JobState::InProgress | JobState::Unknown);
+        let settled_by_it =
+            self.job.completed_by == Some(n) && self.job.state == JobState::Succeeded;
+        let job_failed = self.job.state == JobState::Failed;
         let attempt = self.attempt_mut(n)?;
+        // Applied before (its reply was lost): the same effect again.
+        match (&result, attempt.state) {
+            (Ok(_), AttemptState::Succeeded) if settled_by_it => return Ok(Effect::Won),
+            (Err(error), AttemptState::Failed) if attempt.error.as_ref() == Some(error) => {
+                return Ok(Effect::AttemptFailed { job_failed });
+            }
+            _ => {}
+        }
         if !holds_slot || !attempt.state.is_live() {
             // Cancelled while it streamed: the recording is dropped.
             return Ok(Effect::Discarded);
@@ -522,7 +578,21 @@ impl JobRecord {
         error: Option<String>,
         now: SystemTime,
     ) -> Result<Effect, Rejection> {
+        let job_failed_now = self.job.state == JobState::Failed;
         let attempt = self.attempt_mut(n)?;
+        let failed_as = match kind {
+            Failure::Failed => AttemptState::Failed,
+            Failure::ContractRejected => AttemptState::ContractRejected,
+        };
+        if attempt.state == failed_as
+            && attempt.upstream_status == upstream_status
+            && attempt.error == error
+        {
+            // Applied before (its reply was lost): the same effect again.
+            return Ok(Effect::AttemptFailed {
+                job_failed: job_failed_now && attempt.read_version + 1 == self.job.version,
+            });
+        }
         if !attempt.state.is_live() {
             return Ok(Effect::Discarded);
         }
@@ -610,9 +680,11 @@ mod tests {
 
     fn start(r: &mut JobRecord, provider: &str) -> u32 {
         let version = r.job.version;
+        let n = r.attempts.last().map_or(1, |a| a.n + 1);
         match r.apply(
             Transition::StartAttempt {
                 version,
+                n,
                 provider: provider.into(),
             },
             t(1),
@@ -795,6 +867,7 @@ mod tests {
             .apply(
                 Transition::StartAttempt {
                     version: 1,
+                    n: 2,
                     provider: "f".into()
                 },
                 t(4),
@@ -986,6 +1059,7 @@ mod tests {
             .apply(
                 Transition::StartAttempt {
                     version: 7,
+                    n: 1,
                     provider: "p".into()
                 },
                 t(1),

@@ -7,11 +7,20 @@ use std::time::SystemTime;
 use super::{JobState, StoredResponse};
 
 /// A change to a job, issued by a round, a late answer, the admin API or a newcomer.
+///
+/// Every transition carries what it expects of the job, so applying it a second time —
+/// after a store applied it but its reply was lost, and the caller retried — is recognised
+/// as already applied and answers the same effect, without changing anything again. That
+/// is what makes the engine's retry of a store that blipped safe: a retried `StartAttempt`
+/// never appends a second attempt, a retried `Reopen` never reads as "someone else
+/// re-opened it".
 #[derive(Clone, Debug)]
 pub enum Transition {
-    /// Register a new attempt in the round that read `version`.
+    /// Register attempt `n` — the next ordinal of the job as the round knows it — in the
+    /// round that read `version`.
     StartAttempt {
         version: u64,
+        n: u32,
         provider: String,
     },
     /// The compare-and-swap of SPEC §2: attempt `n` offers its final answer.
@@ -39,9 +48,16 @@ pub enum Transition {
     FailRound {
         version: u64,
     },
-    /// Out-of-band resolution (admin API).
+    /// Out-of-band resolution, whatever the job's version.
     Cancel,
-    /// A retry opens a new round after `failed`/`cancelled`.
+    /// Out-of-band resolution of the job an operator saw at `version` (the admin API): a
+    /// second apply finds it cancelled at `version + 1` and is already applied.
+    CancelAt {
+        version: u64,
+    },
+    /// A retry opens a new round after `failed`/`cancelled`. `lease_until` is the
+    /// re-opener's own (a wall-clock instant to the nanosecond), which is how a second apply
+    /// of the same re-open tells itself apart from another retry's.
     Reopen {
         version: u64,
         lease_until: SystemTime,

@@ -155,6 +155,23 @@ impl JobStore for MemoryStore {
         Ok(ids)
     }
 
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        let state = self.lock();
+        let mut lapsed: Vec<(JobId, u64)> = state
+            .jobs
+            .values()
+            .filter(|r| r.job.state == JobState::InProgress && r.job.lease_until <= now)
+            .map(|r| (r.job.id.clone(), r.job.version))
+            .collect();
+        lapsed.sort_unstable();
+        lapsed.truncate(limit);
+        Ok(lapsed)
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }

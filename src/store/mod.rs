@@ -101,6 +101,15 @@ pub trait JobStore: Send + Sync + Debug + 'static {
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError>;
 
+    /// Jobs `in_progress` whose lease lapsed by `now` (their gateway stopped renewing it),
+    /// with their versions, at most `limit`, from an index of in-progress jobs: what the
+    /// lease sweep turns `unknown` when no request for their key comes.
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError>;
+
     /// How many jobs are `unknown`, from the store's index: one cheap read, never one per
     /// job, so `/metrics` costs the same whatever the store holds.
     async fn count_unknown(&self) -> Result<usize, StoreError> {

@@ -84,6 +84,15 @@ impl JobStore for Timed {
             .await
     }
 
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        self.bounded(self.limit, self.inner.lapsed_leases(now, limit))
+            .await
+    }
+
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         self.bounded(self.limit, self.inner.count_unknown()).await
     }

@@ -70,8 +70,10 @@ async fn apply(
 }
 
 async fn start(store: &dyn JobStore, id: &str, version: u64, provider: &str) -> u32 {
+    let record = store.get(id).await.unwrap().expect("the job exists");
     let t = Transition::StartAttempt {
         version,
+        n: record.attempts.last().map_or(1, |a| a.n + 1),
         provider: provider.into(),
     };
     match apply(store, id, t).await.0 {
@@ -285,6 +287,7 @@ pub async fn unknown_keeps_the_version_and_a_late_answer_settles(store: Arc<dyn 
         id,
         Transition::StartAttempt {
             version: 1,
+            n: 2,
             provider: "f".into(),
         },
     )
@@ -570,6 +573,8 @@ macro_rules! conformance_suite {
                 unsettled_jobs_outlive_retention_by_the_late_window,
                 unknown_jobs_are_not_found,
                 unknown_jobs_are_listed_until_resolved,
+                lost_replies_are_recognised_when_retried,
+                lapsed_leases_are_listed_from_an_index,
             );
         }
     };
@@ -582,4 +587,251 @@ macro_rules! conformance_suite {
             }
         )*
     };
+}
+
+/// Applies `t` through a store that loses the reply after writing it, then again as the
+/// engine's retry does: the retry must answer `expected`, as the first apply did.
+async fn lost_then_retried(
+    store: &Arc<dyn JobStore>,
+    id: &str,
+    t: Transition,
+    expected: Result<Effect, Rejection>,
+) -> JobRecord {
+    let faulty =
+        crate::faults::Faulty::scripted(store.clone(), &[Some(crate::faults::Fault::ErrorAfter)]);
+    let lost = faulty.apply(id, t.clone(), idemgate::clock::now()).await;
+    assert!(lost.is_err(), "the first reply is lost: {t:?}");
+    let retried = faulty
+        .apply(id, t.clone(), idemgate::clock::now())
+        .await
+        .unwrap();
+    assert_eq!(retried.outcome, expected, "the retry of {t:?}");
+    retried.record
+}
+
+/// Every transition, applied, its reply lost, retried: recognised as already applied, with
+/// the same effect and no second change — one attempt, one round.
+pub async fn lost_replies_are_recognised_when_retried(store: Arc<dyn JobStore>) {
+    // start, unknown, a late win
+    let a = created(&*store, "o", "lost-a").await.job.id;
+    let r = lost_then_retried(
+        &store,
+        &a,
+        Transition::StartAttempt {
+            version: 1,
+            n: 1,
+            provider: "p".into(),
+        },
+        Ok(Effect::AttemptStarted {
+            n: 1,
+            read_version: 1,
+        }),
+    )
+    .await;
+    assert_eq!(r.attempts.len(), 1, "one attempt, not two");
+    let r = lost_then_retried(
+        &store,
+        &a,
+        Transition::AttemptUnknown {
+            n: 1,
+            error: "timeout".into(),
+        },
+        Ok(Effect::Applied),
+    )
+    .await;
+    assert_eq!(r.attempts[0].state, AttemptState::Unknown);
+    let r = lost_then_retried(
+        &store,
+        &a,
+        Transition::MarkUnknown { version: 1 },
+        Ok(Effect::Applied),
+    )
+    .await;
+    assert_eq!((r.job.state, r.job.version), (JobState::Unknown, 1));
+    let r = lost_then_retried(
+        &store,
+        &a,
+        Transition::Complete {
+            n: 1,
+            response: answer("late"),
+        },
+        Ok(Effect::Won),
+    )
+    .await;
+    assert_eq!(
+        (r.job.state, r.job.version, r.job.completed_by),
+        (JobState::Succeeded, 2, Some(1))
+    );
+
+    // a failed attempt, a failed round, a re-open, a new attempt, a cancel
+    let b = created(&*store, "o", "lost-b").await.job.id;
+    start(&*store, &b, 1, "p").await;
+    let fail = Transition::FailAttempt {
+        n: 1,
+        kind: Failure::Failed,
+        upstream_status: Some(503),
+        error: Some("503".into()),
+    };
+    lost_then_retried(
+        &store,
+        &b,
+        fail,
+        Ok(Effect::AttemptFailed { job_failed: false }),
+    )
+    .await;
+    let r = lost_then_retried(
+        &store,
+        &b,
+        Transition::FailRound { version: 1 },
+        Ok(Effect::Applied),
+    )
+    .await;
+    assert_eq!((r.job.state, r.job.version), (JobState::Failed, 2));
+    let reopen = Transition::Reopen {
+        version: 2,
+        lease_until: idemgate::clock::now() + Duration::from_secs(30),
+    };
+    let r = lost_then_retried(&store, &b, reopen, Ok(Effect::Applied)).await;
+    assert_eq!(
+        (r.job.state, r.job.version),
+        (JobState::InProgress, 3),
+        "one new round"
+    );
+    let r = lost_then_retried(
+        &store,
+        &b,
+        Transition::StartAttempt {
+            version: 3,
+            n: 2,
+            provider: "q".into(),
+        },
+        Ok(Effect::AttemptStarted {
+            n: 2,
+            read_version: 3,
+        }),
+    )
+    .await;
+    assert_eq!(r.attempts.len(), 2);
+    let r = lost_then_retried(
+        &store,
+        &b,
+        Transition::CancelAt { version: 3 },
+        Ok(Effect::Applied),
+    )
+    .await;
+    assert_eq!((r.job.state, r.job.version), (JobState::Cancelled, 4));
+
+    // a hedge race lost, a lease expired
+    let c = created(&*store, "o", "lost-c").await.job.id;
+    start(&*store, &c, 1, "p").await;
+    start(&*store, &c, 1, "q").await;
+    apply(
+        &*store,
+        &c,
+        Transition::Complete {
+            n: 2,
+            response: answer("fast"),
+        },
+    )
+    .await
+    .0
+    .unwrap();
+    let r = lost_then_retried(
+        &store,
+        &c,
+        Transition::Complete {
+            n: 1,
+            response: answer("slow"),
+        },
+        Ok(Effect::LostRace {
+            completed_by: Some(2),
+        }),
+    )
+    .await;
+    assert_eq!(r.job.response.unwrap().body, answer("fast").body);
+    let d = created(&*store, "o", "lost-d").await.job.id;
+    start(&*store, &d, 1, "p").await;
+    lost_then_retried(
+        &store,
+        &d,
+        Transition::ExpireLease { version: 1 },
+        Ok(Effect::Applied),
+    )
+    .await;
+
+    // streams: the slot, the end, a cut
+    let e = created(&*store, "o", "lost-e").await.job.id;
+    start(&*store, &e, 1, "p").await;
+    lost_then_retried(
+        &store,
+        &e,
+        Transition::BeginStream { n: 1 },
+        Ok(Effect::Won),
+    )
+    .await;
+    let r = lost_then_retried(
+        &store,
+        &e,
+        Transition::EndStream {
+            n: 1,
+            response: answer("streamed"),
+        },
+        Ok(Effect::Won),
+    )
+    .await;
+    assert_eq!((r.job.state, r.job.version), (JobState::Succeeded, 2));
+    let f = created(&*store, "o", "lost-f").await.job.id;
+    start(&*store, &f, 1, "p").await;
+    apply(&*store, &f, Transition::BeginStream { n: 1 })
+        .await
+        .0
+        .unwrap();
+    let r = lost_then_retried(
+        &store,
+        &f,
+        Transition::CutStream {
+            n: 1,
+            error: "cut".into(),
+        },
+        Ok(Effect::AttemptFailed { job_failed: true }),
+    )
+    .await;
+    assert_eq!((r.job.state, r.job.version), (JobState::Failed, 2));
+}
+
+/// In-progress jobs whose lease lapsed are listed (for the sweep); live and settled ones
+/// are not.
+pub async fn lapsed_leases_are_listed_from_an_index(store: Arc<dyn JobStore>) {
+    let now = idemgate::clock::now();
+    let mut lapsed = record("o", "lapsed");
+    lapsed.job.lease_until = now - Duration::from_secs(1);
+    let lapsed = match store.claim(lapsed, now).await.unwrap() {
+        Claim::Created(r) => r.job.id,
+        Claim::Existing(_) => unreachable!(),
+    };
+    let live = created(&*store, "o", "live").await.job.id;
+    let settled = created(&*store, "o", "settled").await.job.id;
+    start(&*store, &settled, 1, "p").await;
+    apply(
+        &*store,
+        &settled,
+        Transition::Complete {
+            n: 1,
+            response: answer("x"),
+        },
+    )
+    .await
+    .0
+    .unwrap();
+    let listed = store.lapsed_leases(now, 10).await.unwrap();
+    assert_eq!(
+        listed,
+        vec![(lapsed.clone(), 1)],
+        "{live} and {settled} are not lapsed"
+    );
+    apply(&*store, &lapsed, Transition::ExpireLease { version: 1 })
+        .await
+        .0
+        .unwrap();
+    assert!(store.lapsed_leases(now, 10).await.unwrap().is_empty());
 }

@@ -47,6 +47,8 @@ const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses"
 const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
 /// Ids of the jobs that are `unknown`: what an operator must resolve, without a scan.
 const UNKNOWN: TableDefinition<&str, ()> = TableDefinition::new("unknown");
+/// Jobs `in_progress` → their lease's end (ms): what the lease sweep reads.
+const IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progress");
 
 /// Most operations committed by one transaction.
 const MAX_GROUP: usize = 512;
@@ -101,6 +103,20 @@ enum Op {
     },
 }
 
+/// `Database::create`, with redb's assertions on a truncated file turned into an error: its
+/// checks run before it writes anything, so the file is left as it was.
+fn create(path: &Path) -> Result<Database, String> {
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let opened = std::panic::catch_unwind(|| Database::create(path));
+    std::panic::set_hook(quiet);
+    match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the file is truncated or damaged".into()),
+    }
+}
+
 impl EmbeddedStore {
     /// Opens (or creates) the store at `path`. A file that is not a redb database, or that
     /// cannot be written, is refused with its path; nothing is overwritten.
@@ -112,7 +128,7 @@ impl EmbeddedStore {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| fail("cannot create its directory", &e))?;
         }
-        let db = Database::create(path).map_err(|e| fail("cannot open it as a database", &e))?;
+        let db = create(path).map_err(|e| fail("cannot open it as a database", &e))?;
         let txn = db
             .begin_write()
             .map_err(|e| fail("cannot write to it", &e))?;
@@ -127,6 +143,8 @@ impl EmbeddedStore {
                 .map_err(|e| fail("cannot open table expiry", &e))?;
             txn.open_table(UNKNOWN)
                 .map_err(|e| fail("cannot open table unknown", &e))?;
+            txn.open_table(IN_PROGRESS)
+                .map_err(|e| fail("cannot open table in_progress", &e))?;
         }
         txn.commit().map_err(|e| fail("cannot write to it", &e))?;
 
@@ -412,6 +430,35 @@ impl JobStore for EmbeddedStore {
             self.read(id)
         })
         .await
+    }
+
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        use redb::ReadableTable;
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let leases = txn
+            .open_table(IN_PROGRESS)
+            .map_err(|e| self.unavailable(e))?;
+        let due: Vec<String> = leases
+            .iter()
+            .map_err(|e| self.unavailable(e))?
+            .filter_map(Result::ok)
+            .filter(|(_, lease)| lease.value() <= millis(now))
+            .map(|(id, _)| id.value().to_owned())
+            .take(limit)
+            .collect();
+        let mut lapsed = Vec::new();
+        for id in due {
+            if let Some(record) = self.read(&id)? {
+                if record.job.state == JobState::InProgress && record.job.lease_until <= now {
+                    lapsed.push((id, record.job.version));
+                }
+            }
+        }
+        Ok(lapsed)
     }
 
     async fn count_unknown(&self) -> Result<usize, StoreError> {

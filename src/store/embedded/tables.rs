@@ -11,6 +11,7 @@ pub(super) struct Tables<'t> {
     responses: Table<'t, &'static str, &'static [u8]>,
     expiry: Table<'t, (u64, &'static str), ()>,
     unknown: Table<'t, &'static str, ()>,
+    in_progress: Table<'t, &'static str, u64>,
 }
 
 pub(super) type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -23,6 +24,7 @@ impl<'t> Tables<'t> {
             responses: txn.open_table(RESPONSES)?,
             expiry: txn.open_table(EXPIRY)?,
             unknown: txn.open_table(UNKNOWN)?,
+            in_progress: txn.open_table(IN_PROGRESS)?,
         })
     }
 
@@ -93,6 +95,12 @@ impl<'t> Tables<'t> {
         } else {
             self.unknown.remove(id.as_str())?;
         }
+        if record.job.state == JobState::InProgress {
+            self.in_progress
+                .insert(id.as_str(), millis(record.job.lease_until))?;
+        } else {
+            self.in_progress.remove(id.as_str())?;
+        }
         record.job.response = response;
         Ok(record)
     }
@@ -103,6 +111,7 @@ impl<'t> Tables<'t> {
         self.responses.remove(id)?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
+        self.in_progress.remove(id)?;
         let key = claim_key(record);
         let owned = self
             .claims

@@ -126,6 +126,14 @@ pub struct RedisStore {
     cache: Mutex<HashMap<String, (u64, JobRecord)>>,
     changed: Arc<Changes>,
     round_trips: AtomicU64,
+    /// On a Cluster the store-wide indexes are kept outside the job scripts.
+    cluster: bool,
+}
+
+/// A wall-clock instant as milliseconds since the epoch, the indexes' score.
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -176,6 +184,7 @@ impl RedisStore {
             cache: Mutex::new(HashMap::new()),
             changed: changed.clone(),
             round_trips: AtomicU64::new(0),
+            cluster: config.cluster,
         };
         // Classic pub/sub reaches every node of a Cluster, so one subscriber sees all jobs.
         let pattern = format!("{}:*:chan:*", store.prefix);
@@ -194,21 +203,107 @@ impl RedisStore {
         format!("{}:unknown-jobs", self.prefix)
     }
 
-    async fn index_unknown(&self, id: &str, before: JobState, after: JobState) {
-        let command = match (before == JobState::Unknown, after == JobState::Unknown) {
-            (false, true) => "SADD",
-            (true, false) => "SREM",
-            _ => return,
-        };
+    /// The jobs `in_progress`, scored by their lease's end (ms): what the lease sweep reads.
+    fn in_progress_index(&self) -> String {
+        format!("{}:in-progress-jobs", self.prefix)
+    }
+
+    /// A new job on a Cluster: into the in-progress index, by a separate command.
+    async fn index_created(&self, id: &str, lease: u64) {
+        if !self.cluster {
+            return;
+        }
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let indexed: Result<(), _> = redis::cmd(command)
-            .arg(self.unknown_index())
+        let added: Result<(), _> = redis::cmd("ZADD")
+            .arg(self.in_progress_index())
+            .arg(lease)
             .arg(id)
             .query_async(&mut connection)
             .await;
-        if let Err(e) = indexed {
-            warn!(job_id = %id, error = %e, "could not update the index of unknown jobs");
+        if let Err(e) = added {
+            warn!(job_id = %id, error = %e, "could not index the new job; a request for its key still finds it");
+        }
+    }
+
+    /// The index update a record's state asks for, as the apply script reads it.
+    fn index_op(record: &JobRecord) -> String {
+        match record.job.state {
+            JobState::InProgress => format!("p{}", millis(record.job.lease_until)),
+            JobState::Unknown => "u".into(),
+            _ => "s".into(),
+        }
+    }
+
+    /// Puts a job's index entries right, whatever they were.
+    async fn index_outside_repair(&self, id: &str, record: &JobRecord) {
+        let mut pipe = redis::pipe();
+        match record.job.state {
+            JobState::InProgress => {
+                pipe.cmd("ZADD")
+                    .arg(self.in_progress_index())
+                    .arg(millis(record.job.lease_until))
+                    .arg(id)
+                    .ignore();
+            }
+            state => {
+                pipe.cmd("ZREM")
+                    .arg(self.in_progress_index())
+                    .arg(id)
+                    .ignore();
+                let command = if state == JobState::Unknown {
+                    "SADD"
+                } else {
+                    "SREM"
+                };
+                pipe.cmd(command).arg(self.unknown_index()).arg(id).ignore();
+            }
+        }
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let _: Result<(), _> = pipe.query_async(&mut connection).await;
+    }
+
+    /// On a Cluster the indexes live outside the job's slot: kept here, after the script,
+    /// in one pipeline, only when membership or the lease changed. A crash in between is
+    /// repaired by the lease sweep.
+    async fn index_outside(&self, id: &str, before: &JobRecord, after: &JobRecord) {
+        if !self.cluster {
+            return;
+        }
+        let moved = before.job.state != after.job.state
+            || (after.job.state == JobState::InProgress
+                && before.job.lease_until != after.job.lease_until);
+        if !moved {
+            return;
+        }
+        let mut pipe = redis::pipe();
+        match after.job.state {
+            JobState::InProgress => {
+                pipe.cmd("ZADD")
+                    .arg(self.in_progress_index())
+                    .arg(millis(after.job.lease_until))
+                    .arg(id)
+                    .ignore();
+                pipe.cmd("SREM").arg(self.unknown_index()).arg(id).ignore();
+            }
+            state => {
+                pipe.cmd("ZREM")
+                    .arg(self.in_progress_index())
+                    .arg(id)
+                    .ignore();
+                let command = if state == JobState::Unknown {
+                    "SADD"
+                } else {
+                    "SREM"
+                };
+                pipe.cmd(command).arg(self.unknown_index()).arg(id).ignore();
+            }
+        }
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = pipe.query_async::<()>(&mut connection).await {
+            warn!(job_id = %id, error = %e, "could not update the job indexes; the lease sweep repairs them");
         }
     }
 
@@ -362,15 +457,19 @@ impl JobStore for RedisStore {
         );
         let blob = encode(&record);
         let ttl = Self::ttl_ms(&record, now);
+        let lease = millis(record.job.lease_until);
         let mut invocation = self.claim.prepare_invoke();
+        invocation.key(&claim_key).key(format!("{}{id}", keys.job));
+        if !self.cluster {
+            invocation.key(self.in_progress_index());
+        }
         invocation
-            .key(&claim_key)
-            .key(format!("{}{id}", keys.job))
             .arg(&id)
             .arg(&blob)
             .arg(ttl)
             .arg(&keys.job)
-            .arg(&keys.resp);
+            .arg(&keys.resp)
+            .arg(lease);
         let reply = self.invoke(invocation).await?;
         let found: (
             i64,
@@ -384,6 +483,7 @@ impl JobStore for RedisStore {
         };
         if found.0 == 1 {
             self.wait_for_replicas(&claim_key).await?;
+            self.index_created(&id, lease).await;
             self.remember(&id, 1, record.clone());
             return Ok(Claim::Created(record));
         }
@@ -402,18 +502,22 @@ impl JobStore for RedisStore {
         // Expired by the caller's clock but not yet by Redis's TTL: replace it, if the claim
         // still names it.
         let mut invocation = self.replace.prepare_invoke();
+        invocation.key(&claim_key).key(format!("{}{id}", keys.job));
+        if !self.cluster {
+            invocation.key(self.in_progress_index());
+        }
         invocation
-            .key(&claim_key)
-            .key(format!("{}{id}", keys.job))
             .arg(&id)
             .arg(&blob)
             .arg(ttl)
             .arg(&keys.job)
             .arg(&keys.resp)
-            .arg(&existing_id);
+            .arg(&existing_id)
+            .arg(lease);
         let replaced: Vec<i64> =
             redis::from_redis_value(self.invoke(invocation).await?).map_err(unavailable)?;
         if replaced.first() == Some(&1) {
+            self.index_created(&id, lease).await;
             self.forget(&existing_id);
             self.remember(&id, 1, record.clone());
             Ok(Claim::Created(record))
@@ -466,13 +570,20 @@ impl JobStore for RedisStore {
             invocation
                 .key(format!("{}{id}", keys.job))
                 .key(format!("{}{id}", keys.resp))
-                .key(&claim_key)
+                .key(&claim_key);
+            if !self.cluster {
+                invocation
+                    .key(self.unknown_index())
+                    .key(self.in_progress_index());
+            }
+            invocation
                 .arg(rev)
                 .arg(&blob)
                 .arg(Self::ttl_ms(&next, now))
                 .arg(&response_blob)
                 .arg(format!("{}{id}", keys.chan))
-                .arg(id);
+                .arg(id)
+                .arg(Self::index_op(&next));
             let reply: (i64, Option<u64>, Option<Vec<u8>>) = match self.invoke(invocation).await? {
                 Value::Array(items) if items.len() == 1 => (-1, None, None),
                 Value::Array(items) if items.len() == 2 => {
@@ -490,8 +601,7 @@ impl JobStore for RedisStore {
                 (1, Some(new_rev), _) => {
                     if outcome.is_ok() {
                         self.wait_for_replicas(&claim_key).await?;
-                        self.index_unknown(id, record.job.state, next.job.state)
-                            .await;
+                        self.index_outside(id, &record, &next).await;
                     }
                     self.remember(id, new_rev, next.clone());
                     let record = if next.job.state == JobState::Succeeded && response.is_none() {
@@ -548,6 +658,47 @@ impl JobStore for RedisStore {
         from: usize,
     ) -> Result<Option<MirroredStream>, StoreError> {
         self.read_mirror(id, from).await
+    }
+
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let due: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+            .arg(self.in_progress_index())
+            .arg("-inf")
+            .arg(millis(now))
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        let mut lapsed = Vec::new();
+        for id in due {
+            match self.fetch(&id).await? {
+                Some((_, record, _))
+                    if record.job.state == JobState::InProgress
+                        && record.job.lease_until <= now =>
+                {
+                    lapsed.push((id, record.job.version));
+                }
+                // The index went stale (a crash between a job's script and its index update
+                // on a Cluster): repair it from the job itself.
+                Some((_, record, _)) => self.index_outside_repair(&id, &record).await,
+                None => {
+                    let _: Result<(), _> = redis::cmd("ZREM")
+                        .arg(self.in_progress_index())
+                        .arg(&id)
+                        .query_async(&mut connection)
+                        .await;
+                }
+            }
+        }
+        Ok(lapsed)
     }
 
     async fn count_unknown(&self) -> Result<usize, StoreError> {

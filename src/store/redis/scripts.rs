@@ -1,5 +1,9 @@
 //! The Lua scripts that make a claim and a transition single atomic steps in Redis. Every
-//! key a script touches shares the job's hash tag, so they run on one Cluster node.
+//! job key a script touches shares the job's hash tag, so they run on one Cluster node. On a
+//! standalone server the store-wide indexes (unknown jobs, in-progress jobs by lease) are
+//! passed too and kept in the same script; on a Cluster they live in other slots, so the
+//! store keeps them with separate commands and its lease sweep repairs what a crash between
+//! the two left behind.
 
 /// Creates the job unless the claim key names a live one; returns what it found.
 pub(super) const CLAIM: &str = r#"
@@ -14,6 +18,9 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if KEYS[3] then
+  redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
+end
 return {1}
 "#;
 
@@ -26,6 +33,10 @@ redis.call('DEL', ARGV[4] .. ARGV[6], ARGV[5] .. ARGV[6])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('HSET', KEYS[2], 'rev', 1, 'blob', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if KEYS[3] then
+  redis.call('ZREM', KEYS[3], ARGV[6])
+  redis.call('ZADD', KEYS[3], ARGV[7], ARGV[1])
+end
 return {1}
 "#;
 
@@ -52,6 +63,19 @@ else
 end
 if redis.call('GET', KEYS[3]) == ARGV[6] then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
+if KEYS[4] then
+  local index = ARGV[7]
+  if string.sub(index, 1, 1) == 'p' then
+    redis.call('ZADD', KEYS[5], string.sub(index, 2), ARGV[6])
+    redis.call('SREM', KEYS[4], ARGV[6])
+  elseif index == 'u' then
+    redis.call('ZREM', KEYS[5], ARGV[6])
+    redis.call('SADD', KEYS[4], ARGV[6])
+  else
+    redis.call('ZREM', KEYS[5], ARGV[6])
+    redis.call('SREM', KEYS[4], ARGV[6])
+  end
 end
 redis.call('PUBLISH', ARGV[5], rev)
 return {1, tostring(rev)}

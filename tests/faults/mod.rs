@@ -1,0 +1,202 @@
+//! A store that misbehaves between a write and its reply, for tests: it wraps a real store
+//! and, as a plan or a seed decides, fails an operation before it reaches the store, fails
+//! it *after* the store applied it (the reply is lost), delays it, or never answers.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use idemgate::job::{JobId, JobRecord, JobState, Transition};
+use idemgate::store::{Applied, Claim, JobStore, MirroredStream, StoreError, StreamUpdate};
+
+/// What happens to one operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The store never sees it; the caller gets an error.
+    ErrorBefore,
+    /// The store applies it; the caller gets an error (the reply was lost).
+    ErrorAfter,
+    /// It is applied after a pause.
+    Delay(Duration),
+    /// It never answers (a frozen store): only the caller's own timeout ends it.
+    Hang,
+}
+
+#[derive(Debug)]
+enum Plan {
+    /// The next writes meet these faults, one each (`None`: no fault), then none.
+    Script(VecDeque<Option<Fault>>),
+    /// Each write meets a fault with probability `rate` (per mille), drawn from a seed.
+    Random { rng: fastrand::Rng, per_mille: u32 },
+}
+
+/// How often each fault fired.
+#[derive(Debug, Default)]
+pub struct Fired {
+    pub error_before: AtomicU64,
+    pub error_after: AtomicU64,
+    pub delay: AtomicU64,
+    pub hang: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct Faulty {
+    inner: Arc<dyn JobStore>,
+    plan: Mutex<Plan>,
+    pub fired: Fired,
+}
+
+impl Faulty {
+    /// Faults for the next writes, in order.
+    pub fn scripted(inner: Arc<dyn JobStore>, faults: &[Option<Fault>]) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
+            fired: Fired::default(),
+        })
+    }
+
+    /// Random faults at `per_mille` of the writes, from `seed`: error before, error after,
+    /// a short delay — never a hang, which only a caller with a timeout can survive.
+    pub fn seeded(inner: Arc<dyn JobStore>, seed: u64, per_mille: u32) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            plan: Mutex::new(Plan::Random {
+                rng: fastrand::Rng::with_seed(seed),
+                per_mille,
+            }),
+            fired: Fired::default(),
+        })
+    }
+
+    /// Queues more scripted faults.
+    pub fn then(&self, fault: Option<Fault>) {
+        if let Plan::Script(queue) = &mut *self.plan.lock().unwrap() {
+            queue.push_back(fault);
+        }
+    }
+
+    fn next(&self) -> Option<Fault> {
+        match &mut *self.plan.lock().unwrap() {
+            Plan::Script(queue) => queue.pop_front().flatten(),
+            Plan::Random { rng, per_mille } => {
+                (rng.u32(0..1000) < *per_mille).then(|| match rng.u8(0..3) {
+                    0 => Fault::ErrorBefore,
+                    1 => Fault::ErrorAfter,
+                    _ => Fault::Delay(Duration::from_millis(rng.u64(1..20))),
+                })
+            }
+        }
+    }
+
+    async fn write<T>(
+        &self,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let lost = |what: &str| StoreError::unavailable("injected fault", what.to_owned());
+        match self.next() {
+            None => op.await,
+            Some(Fault::ErrorBefore) => {
+                self.fired.error_before.fetch_add(1, Ordering::Relaxed);
+                Err(lost("the connection dropped before the write"))
+            }
+            Some(Fault::ErrorAfter) => {
+                self.fired.error_after.fetch_add(1, Ordering::Relaxed);
+                let _ = op.await?;
+                Err(lost("the reply was lost after the write"))
+            }
+            Some(Fault::Delay(pause)) => {
+                self.fired.delay.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(pause).await;
+                op.await
+            }
+            Some(Fault::Hang) => {
+                self.fired.hang.fetch_add(1, Ordering::Relaxed);
+                std::future::pending().await
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl JobStore for Faulty {
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        self.write(self.inner.claim(record, now)).await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.inner.get(id).await
+    }
+
+    async fn apply(
+        &self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+    ) -> Result<Applied, StoreError> {
+        self.write(self.inner.apply(id, transition, now)).await
+    }
+
+    async fn wait_change(
+        &self,
+        id: &str,
+        seen_version: u64,
+        seen_state: JobState,
+        timeout: Duration,
+    ) -> Result<JobRecord, StoreError> {
+        self.inner
+            .wait_change(id, seen_version, seen_state, timeout)
+            .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
+    async fn unknown_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        self.inner.unknown_jobs(after, limit).await
+    }
+
+    async fn count_unknown(&self) -> Result<usize, StoreError> {
+        self.inner.count_unknown().await
+    }
+
+    async fn lapsed_leases(
+        &self,
+        now: SystemTime,
+        limit: usize,
+    ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        self.inner.lapsed_leases(now, limit).await
+    }
+
+    async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
+        self.inner.mirror_stream(id, update).await
+    }
+
+    async fn read_stream(
+        &self,
+        id: &str,
+        from: usize,
+    ) -> Result<Option<MirroredStream>, StoreError> {
+        self.inner.read_stream(id, from).await
+    }
+}
+
+/// Counts of faults, for reports.
+pub fn report(fired: &Fired) -> String {
+    format!(
+        "faults fired: {} error-before, {} error-after (reply lost), {} delays, {} hangs",
+        fired.error_before.load(Ordering::Relaxed),
+        fired.error_after.load(Ordering::Relaxed),
+        fired.delay.load(Ordering::Relaxed),
+        fired.hang.load(Ordering::Relaxed)
+    )
+}
