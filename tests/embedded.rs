@@ -320,3 +320,149 @@ async fn on_the_embedded_store_a_hedged_primary_that_answers_last_loses() {
     let replay = gw.post(CHAT, Some("e-race"), chat_request()).await;
     assert_eq!(replay.body, Bytes::from_static(b"{\"from\":\"fallback\"}"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_file_is_refused_with_its_path_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.db");
+    {
+        let store = EmbeddedStore::open(&path, POLICY).unwrap();
+        let job = conformance_record("o", "k");
+        store.claim(job, idemgate::clock::now()).await.unwrap();
+    }
+    let whole = std::fs::read(&path).unwrap();
+    let truncated = &whole[..whole.len().min(5000)];
+    std::fs::write(&path, truncated).unwrap();
+    let error = EmbeddedStore::open(&path, POLICY).unwrap_err().to_string();
+    assert!(error.contains(&path.display().to_string()), "{error}");
+    assert!(error.contains("truncated or damaged"), "{error}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        truncated,
+        "nothing is written"
+    );
+
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\npath = \"{}\"\n{}",
+            path.display(),
+            route("http://127.0.0.1:9")
+        ),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "a clean refusal, not a panic: {stderr}"
+    );
+    assert!(stderr.contains(&path.display().to_string()), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        truncated,
+        "nothing is written"
+    );
+}
+
+fn conformance_record(owner: &str, key: &str) -> idemgate::job::JobRecord {
+    let now = idemgate::clock::now();
+    idemgate::job::JobRecord::new(
+        idemgate::job::new_job_id(owner, key),
+        owner.into(),
+        key.into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now + Duration::from_secs(30),
+        &POLICY,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_the_sweep_with_no_request() {
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port().await, free_port().await);
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
+             [store]\npath = \"{}\"\n[idempotency]\nlease = \"1s\"\n{}",
+            dir.path().join("jobs.db").display(),
+            route(&provider.url())
+        ),
+    )
+    .unwrap();
+    let client = client();
+    let mut gateway = spawn_gateway(&config, port, admin_port).await;
+    let in_flight = {
+        let client = client.clone();
+        let url = format!("{}{CHAT}", gateway.base);
+        tokio::spawn(async move {
+            let request = http::Request::post(url)
+                .header("authorization", "Bearer sk-client-1")
+                .header("idempotency-key", "k-orphan")
+                .body(http_body_util::Full::new(chat_request()))
+                .unwrap();
+            let _ = client.request(request).await;
+        })
+    };
+    let _held = provider.next_call().await;
+    gateway.child.kill().unwrap();
+    gateway.child.wait().unwrap();
+    let _ = bounded("the cut request", in_flight).await;
+    drop(gateway);
+    let killed_at = tokio::time::Instant::now();
+
+    // The gateway comes back; nobody asks for the key. Its sweep finds the orphan.
+    let gateway = spawn_gateway(&config, port, admin_port).await;
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let deadline = killed_at + Duration::from_secs(1 + 10);
+    loop {
+        let listed = send(
+            &client,
+            Method::GET,
+            &format!("{}/jobs?state=unknown", gateway.admin),
+            &[("authorization", &auth)],
+            Bytes::new(),
+        )
+        .await
+        .json();
+        if listed["jobs"]
+            .as_array()
+            .is_some_and(|jobs| jobs.len() == 1)
+        {
+            assert_eq!(listed["jobs"][0]["job"]["key"], "k-orphan");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not listed unknown within lease + 10 s: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "orphan listed unknown {:?} after the kill",
+        killed_at.elapsed()
+    );
+    let metrics = send(
+        &client,
+        Method::GET,
+        &format!("{}/metrics", gateway.admin),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("idemgate_jobs_unknown 1"), "{text}");
+    assert_eq!(provider.calls(), 1);
+}

@@ -22,6 +22,7 @@
 //!    winner's fencing token is the version it completed (`read_version + 1`).
 
 mod common;
+mod faults;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -389,7 +390,9 @@ impl Runner {
             Op::FailRound { stale, .. } => Transition::FailRound {
                 version: version(stale),
             },
-            Op::Cancel { .. } => Transition::Cancel,
+            Op::Cancel { .. } => Transition::CancelAt {
+                version: record.job.version,
+            },
             Op::Reopen { stale, .. } => Transition::Reopen {
                 version: version(stale),
                 lease_until: self.now + Duration::from_secs(30),
@@ -461,11 +464,16 @@ impl Runner {
         }
         let before = model.clone();
         let expected = model.apply(transition.clone(), self.now, &POLICY);
-        let applied = self
-            .store
-            .apply(&id, transition.clone(), self.now)
-            .await
-            .map_err(|e| e.to_string())?;
+        // A store that blipped is retried, as the engine does: with a lost reply, the retry
+        // must be recognised as already applied, or store and model part ways.
+        let mut tries = 0;
+        let applied = loop {
+            match self.store.apply(&id, transition.clone(), self.now).await {
+                Ok(applied) => break applied,
+                Err(_) if tries < 20 => tries += 1,
+                Err(e) => return Err(e.to_string()),
+            }
+        };
         if applied.outcome != expected {
             return Err(format!(
                 "the store answered {:?}, the model {expected:?}",
@@ -593,7 +601,7 @@ fn check_invariants(
             | Transition::CutStream { n, .. },
             _,
         ) => history.alive.retain(|(a, _)| a != n),
-        (Transition::Cancel, Ok(_)) => history.alive.clear(),
+        (Transition::Cancel | Transition::CancelAt { .. }, Ok(_)) => history.alive.clear(),
         _ => {}
     }
     // 6: ordinals are 1..=len.
@@ -625,13 +633,40 @@ where
     F: Fn(u64) -> Fut,
     Fut: std::future::Future<Output = (Arc<dyn JobStore>, G)>,
 {
+    run_with(name, default, open, None).await;
+}
+
+/// Like [`run`], every transition through a store that fails a fifth of them — before the
+/// write, or after it with the reply lost — and retried until it answers.
+async fn run_faulty<F, Fut, G>(name: &str, default: u64, open: F)
+where
+    F: Fn(u64) -> Fut,
+    Fut: std::future::Future<Output = (Arc<dyn JobStore>, G)>,
+{
+    run_with(name, default, open, Some(200)).await;
+}
+
+async fn run_with<F, Fut, G>(name: &str, default: u64, open: F, faults: Option<u32>)
+where
+    F: Fn(u64) -> Fut,
+    Fut: std::future::Future<Output = (Arc<dyn JobStore>, G)>,
+{
     // Real run time, for the report: deliberately not the paused clock.
     #[allow(clippy::disallowed_methods)]
     let started = std::time::Instant::now();
     let seeds = seeds(default);
     let mut steps = 0;
+    let mut fired = Vec::new();
     for &seed in &seeds {
         let (store, _guard) = open(seed).await;
+        let store = match faults {
+            None => store,
+            Some(per_mille) => {
+                let faulty = faults::Faulty::seeded(store, seed, per_mille, false);
+                fired.push(faulty.clone());
+                faulty as Arc<dyn JobStore>
+            }
+        };
         let mut rng = fastrand::Rng::with_seed(seed);
         let ops = generate(&mut rng);
         let mut runner = Runner {
@@ -655,6 +690,20 @@ where
         seeds.len(),
         started.elapsed()
     );
+    if !fired.is_empty() {
+        let total = faults::Fired::default();
+        for f in &fired {
+            use std::sync::atomic::Ordering::Relaxed;
+            total
+                .error_before
+                .fetch_add(f.fired.error_before.load(Relaxed), Relaxed);
+            total
+                .error_after
+                .fetch_add(f.fired.error_after.load(Relaxed), Relaxed);
+            total.delay.fetch_add(f.fired.delay.load(Relaxed), Relaxed);
+        }
+        println!("model {name}: {}", faults::report(&total));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -662,6 +711,33 @@ async fn histories_on_the_memory_store() {
     run("memory", 3000, |_| async {
         let store: Arc<dyn JobStore> = Arc::new(idemgate::store::memory::MemoryStore::new(POLICY));
         (store, ())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_a_memory_store_that_loses_replies() {
+    run_faulty("memory, faulty", 1500, |_| async {
+        let store: Arc<dyn JobStore> = Arc::new(idemgate::store::memory::MemoryStore::new(POLICY));
+        (store, ())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_a_redis_that_loses_replies() {
+    let server = RedisServer::start().await;
+    run_faulty("redis, faulty", 150, |seed| {
+        let url = server.url();
+        async move {
+            let store = idemgate::store::redis::RedisStore::open(
+                &redis_config(vec![url], false, seed + 1_000_000),
+                POLICY,
+            )
+            .await
+            .unwrap();
+            (Arc::new(store) as Arc<dyn JobStore>, ())
+        }
     })
     .await;
 }

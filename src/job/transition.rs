@@ -48,7 +48,9 @@ pub enum Transition {
     FailRound {
         version: u64,
     },
-    /// Out-of-band resolution, whatever the job's version.
+    /// Out-of-band resolution, whatever the job's version. The one transition that cannot
+    /// tell a second apply from a first: the engine never sends it (the admin API sends
+    /// [`Transition::CancelAt`]); it is for a person or a tool applying it once.
     Cancel,
     /// Out-of-band resolution of the job an operator saw at `version` (the admin API): a
     /// second apply finds it cancelled at `version + 1` and is already applied.

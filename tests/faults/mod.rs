@@ -47,6 +47,8 @@ pub struct Fired {
 pub struct Faulty {
     inner: Arc<dyn JobStore>,
     plan: Mutex<Plan>,
+    /// Whether claims meet faults too (transitions always do).
+    claims: bool,
     pub fired: Fired,
 }
 
@@ -56,19 +58,22 @@ impl Faulty {
         Arc::new(Self {
             inner,
             plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
+            claims: true,
             fired: Fired::default(),
         })
     }
 
-    /// Random faults at `per_mille` of the writes, from `seed`: error before, error after,
-    /// a short delay — never a hang, which only a caller with a timeout can survive.
-    pub fn seeded(inner: Arc<dyn JobStore>, seed: u64, per_mille: u32) -> Arc<Self> {
+    /// Random faults at `per_mille` of the transitions (and of the claims, with `claims`),
+    /// from `seed`: error before, error after, a short delay — never a hang, which only a
+    /// caller with a timeout can survive.
+    pub fn seeded(inner: Arc<dyn JobStore>, seed: u64, per_mille: u32, claims: bool) -> Arc<Self> {
         Arc::new(Self {
             inner,
             plan: Mutex::new(Plan::Random {
                 rng: fastrand::Rng::with_seed(seed),
                 per_mille,
             }),
+            claims,
             fired: Fired::default(),
         })
     }
@@ -125,6 +130,9 @@ impl Faulty {
 #[async_trait]
 impl JobStore for Faulty {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        if !self.claims {
+            return self.inner.claim(record, now).await;
+        }
         self.write(self.inner.claim(record, now)).await
     }
 
