@@ -162,9 +162,24 @@ impl Recording {
         }
     }
 
+    /// Ends the recording, once: a later end changes nothing.
     pub fn finish(&self, end: Result<(), String>) {
-        self.lock().end = Some(end);
+        self.lock().end.get_or_insert(end);
         self.changed.notify_waiters();
+    }
+
+    /// A guard that cuts the recording if it is dropped before the stream ended: when the
+    /// relay stops half way (its task aborted, a panic), its readers see an aborted body
+    /// instead of waiting for chunks that will never come.
+    pub fn cut_unless_finished(self: &Arc<Self>) -> impl Drop + Send + 'static {
+        struct Cut(Arc<Recording>);
+        impl Drop for Cut {
+            fn drop(&mut self) {
+                self.0
+                    .finish(Err("the relay of this stream stopped".into()));
+            }
+        }
+        Cut(self.clone())
     }
 
     /// Waits until there are chunks after `from` or the stream ended; returns those chunks

@@ -352,7 +352,8 @@ async fn keys_live_for_retention_after_settling_and_longer_while_unsettled() {
     };
     let call = provider.next_call().await;
     let unsettled = (POLICY.retention + POLICY.late_result_window).as_millis() as i64;
-    let ttls = pttls("idemgate:*").await;
+    // A job's own keys (the store-wide indexes hold entries, not jobs, and live on).
+    let ttls = pttls("idemgate:{*").await;
     assert_eq!(ttls.len(), 2, "claim and job: {ttls:?}");
     for (key, ttl) in &ttls {
         assert!(
@@ -363,7 +364,7 @@ async fn keys_live_for_retention_after_settling_and_longer_while_unsettled() {
     call.answer(200, Bytes::from_static(b"{}"));
     assert_eq!(running.await.unwrap().status, 200);
     let settled = POLICY.retention.as_millis() as i64;
-    let ttls = pttls("idemgate:*").await;
+    let ttls = pttls("idemgate:{*").await;
     assert_eq!(ttls.len(), 3, "claim, job and answer: {ttls:?}");
     for (key, ttl) in &ttls {
         assert!(*ttl > settled - 60_000 && *ttl <= settled, "{key}: {ttl}");

@@ -1,7 +1,9 @@
 //! A deterministic simulation of whole gateways: two gateway instances sharing one memory
-//! store, in-process providers that answer, fail, refuse, reset, stall or answer late as a
-//! seed decides, clients that double-click, retry and change their payload, an operator who
-//! cancels unknown jobs, and a gateway that may crash mid-attempt. Everything runs on one
+//! store reached through injected faults (errors before a write, replies lost after one,
+//! delays), in-process providers that answer, stream, cut their streams, fail, refuse,
+//! reset, stall or answer late as a seed decides, clients that double-click, retry, change
+//! their payload and hang up, an operator who cancels unknown jobs, and a gateway that may
+//! crash mid-attempt. Everything runs on one
 //! thread under tokio's paused clock, so each seed replays exactly (checked: every seed runs
 //! twice and must give the same trace); a failing seed is printed and reruns alone with
 //! `SIM_SEED=<seed> cargo test --test simulation`.
@@ -19,6 +21,8 @@
 //!
 //! `cargo test` runs a bounded number of seeds; `SIM_SCALE=20 cargo test --release --test
 //! simulation -- --nocapture` runs twenty times as many.
+
+mod faults;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +48,10 @@ const INTENTS: usize = 6;
 #[derive(Clone, Copy, Debug)]
 enum Behaviour {
     Answer,
+    /// A streamed answer: three chunks.
+    Stream,
+    /// A stream that breaks off after two chunks.
+    CutStream,
     Fail,
     Refuse,
     Reset,
@@ -85,6 +93,9 @@ impl World {
 
     fn trace(&self, line: String) {
         let at = self.at();
+        if std::env::var("SIM_LIVE").is_ok() {
+            eprintln!("{at:>7}ms {line}");
+        }
         self.trace.lock().unwrap().push(format!("{at:>7}ms {line}"));
     }
 }
@@ -112,7 +123,9 @@ impl Transport for Providers {
             let call = world.next_call.fetch_add(1, Ordering::SeqCst);
             let (behaviour, delay) = world.rng(|r| {
                 let behaviour = match r.u32(0..100) {
-                    0..=54 => Behaviour::Answer,
+                    0..=44 => Behaviour::Answer,
+                    45..=51 => Behaviour::Stream,
+                    52..=54 => Behaviour::CutStream,
                     55..=69 => Behaviour::Fail,
                     70..=76 => Behaviour::Refuse,
                     77..=82 => Behaviour::Reset,
@@ -121,6 +134,9 @@ impl Transport for Providers {
                 };
                 (behaviour, Duration::from_millis(r.u64(10..1500)))
             });
+            if std::env::var("SIM_LIVE").is_ok() {
+                world.trace(format!("call {call} for {job:?}: {behaviour:?}"));
+            }
             match behaviour {
                 Behaviour::Refuse => return Err(CallError::Connect("refused".into())),
                 Behaviour::Reset => {
@@ -131,6 +147,11 @@ impl Transport for Providers {
                     tokio::time::sleep(delay).await;
                     return Ok(response(503, format!("{{\"error\":{call}}}")));
                 }
+                Behaviour::Stream | Behaviour::CutStream => {
+                    tokio::time::sleep(delay).await;
+                    let cut = matches!(behaviour, Behaviour::CutStream);
+                    return Ok(stream(call, cut));
+                }
                 Behaviour::Late => tokio::time::sleep(delay + Duration::from_secs(3)).await,
                 Behaviour::Stall => tokio::time::sleep(Duration::from_secs(3600)).await,
                 Behaviour::Answer => tokio::time::sleep(delay).await,
@@ -138,6 +159,32 @@ impl Transport for Providers {
             Ok(response(200, format!("{{\"call\":{call}}}")))
         })
     }
+}
+
+/// An SSE answer, its chunks 100 ms apart; `cut` breaks it off after the second.
+fn stream(call: u64, cut: bool) -> Response<Body> {
+    let frames = futures_util::stream::unfold(0u8, move |i| async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match i {
+            2 if cut => Some((
+                Err::<http_body::Frame<Bytes>, _>("connection reset".into()),
+                3,
+            )),
+            3 => None,
+            i => Some((
+                Ok(http_body::Frame::data(Bytes::from(format!(
+                    "data: {call}-{i}\n\n"
+                )))),
+                i + 1,
+            )),
+        }
+    });
+    let body: Body = http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(frames));
+    let mut response = Response::new(body);
+    response
+        .headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    response
 }
 
 fn response(status: u16, text: String) -> Response<Body> {
@@ -202,13 +249,23 @@ async fn observe(intent: usize, outcome: Outcome) -> Seen {
             job_id,
             live,
             joined,
-        } => {
-            let body = match live.recording.body(!joined).collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(_) => Bytes::from_static(b"<cut>"),
-            };
-            (live.status, job_id, Some(live.n), joined, body)
-        }
+        } => match live.recording.body(!joined).collect().await {
+            Ok(collected) => (
+                live.status,
+                job_id,
+                Some(live.n),
+                joined,
+                collected.to_bytes(),
+            ),
+            // Ended abnormally: the client knows it has no complete answer.
+            Err(_) => (
+                0,
+                job_id,
+                Some(live.n),
+                joined,
+                Bytes::from_static(b"<cut>"),
+            ),
+        },
         Outcome::Follow { job_id, mirror } => (
             mirror.head.status,
             Some(job_id),
@@ -266,12 +323,15 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
         late_result_window: config.idempotency.late_result_window,
     };
     let store: Arc<dyn JobStore> = Arc::new(idemgate::store::memory::MemoryStore::new(policy));
+    // The gateways reach the store through faults: errors before a write, replies lost
+    // after one, delays. The checks read the store itself.
+    let faulty = faults::Faulty::seeded(store.clone(), seed, 40, true);
     let upstream = Upstream::with_transport(Arc::new(Providers {
         world: world.clone(),
     }));
     let gateways = [
-        Engine::new(config.clone(), store.clone(), upstream.clone()),
-        Engine::new(config.clone(), store.clone(), upstream),
+        Engine::new(config.clone(), faulty.clone(), upstream.clone()),
+        Engine::new(config.clone(), faulty.clone(), upstream),
     ];
     let crashed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -310,12 +370,22 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
                     };
                     let gateway = gateways[g].clone();
                     let (owner, key) = (owner.clone(), key.clone());
+                    // Now and then a client hangs up before its answer comes.
+                    let hang_up = world
+                        .rng(|r| (r.u8(0..6) == 0).then(|| Duration::from_millis(r.u64(0..3000))));
                     clicks_done.push(tokio::spawn(async move {
-                        submit(&gateway, &owner, &key, payload).await
+                        let click = submit(&gateway, &owner, &key, payload);
+                        match hang_up {
+                            Some(after) => tokio::time::timeout(after, click).await.ok(),
+                            None => Some(click.await),
+                        }
                     }));
                 }
                 for click in clicks_done {
-                    let Ok(outcome) = click.await else { continue };
+                    let Ok(Some(outcome)) = click.await else {
+                        world.trace(format!("intent {intent}: a client hung up"));
+                        continue;
+                    };
                     let s = observe(intent * 2 + usize::from(payload), outcome).await;
                     world.trace(format!(
                         "intent {intent} payload {payload}: {} attempt {:?} replayed {} {}",

@@ -64,6 +64,7 @@ impl AttemptTask {
             provider: provider.name.clone(),
             recording: Recording::new(self.engine.config().server.max_stored_response_bytes),
         };
+        let _cut_if_dropped = live.recording.cut_unless_finished();
         for chunk in prefix {
             live.recording.push(chunk);
         }

@@ -1001,13 +1001,21 @@ mod tests {
             lease_until: t(60),
         };
         assert_eq!(r.apply(reopen.clone(), t(4), &POLICY), Ok(Effect::Applied));
+        // Another retry's re-open (its own lease instant) loses…
+        let other = Transition::Reopen {
+            version: 2,
+            lease_until: t(61),
+        };
         assert_eq!(
-            r.apply(reopen, t(4), &POLICY),
+            r.apply(other, t(4), &POLICY),
             Err(Rejection::WrongState {
                 state: JobState::InProgress,
                 version: 3
             })
         );
+        // …while the same re-open applied again is recognised as already applied.
+        assert_eq!(r.apply(reopen, t(4), &POLICY), Ok(Effect::Applied));
+        assert_eq!(r.job.version, 3);
         // The new round's attempts continue the ordinals.
         assert_eq!(start(&mut r, "p"), 2);
     }

@@ -237,36 +237,48 @@ impl RedisStore {
 
     /// Puts a job's index entries right, whatever they were.
     async fn index_outside_repair(&self, id: &str, record: &JobRecord) {
-        let mut pipe = redis::pipe();
-        match record.job.state {
+        if let Err(e) = self.set_indexes(id, record).await {
+            warn!(job_id = %id, error = %e, "could not repair the job indexes");
+        }
+    }
+
+    /// The index entries a record's state asks for. One command per index key: on a
+    /// Cluster the two indexes may live in different slots, which one pipeline cannot span.
+    async fn set_indexes(&self, id: &str, record: &JobRecord) -> Result<(), redis::RedisError> {
+        let mut connection = self.connection.clone();
+        let (progress, unknown) = match record.job.state {
             JobState::InProgress => {
-                pipe.cmd("ZADD")
-                    .arg(self.in_progress_index())
+                let mut add = redis::cmd("ZADD");
+                add.arg(self.in_progress_index())
                     .arg(millis(record.job.lease_until))
-                    .arg(id)
-                    .ignore();
+                    .arg(id);
+                (add, "SREM")
             }
             state => {
-                pipe.cmd("ZREM")
-                    .arg(self.in_progress_index())
-                    .arg(id)
-                    .ignore();
-                let command = if state == JobState::Unknown {
-                    "SADD"
-                } else {
-                    "SREM"
-                };
-                pipe.cmd(command).arg(self.unknown_index()).arg(id).ignore();
+                let mut rem = redis::cmd("ZREM");
+                rem.arg(self.in_progress_index()).arg(id);
+                (
+                    rem,
+                    if state == JobState::Unknown {
+                        "SADD"
+                    } else {
+                        "SREM"
+                    },
+                )
             }
-        }
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let _: Result<(), _> = pipe.query_async(&mut connection).await;
+        };
+        self.round_trips.fetch_add(2, Ordering::Relaxed);
+        progress.query_async::<()>(&mut connection).await?;
+        redis::cmd(unknown)
+            .arg(self.unknown_index())
+            .arg(id)
+            .query_async::<()>(&mut connection)
+            .await
     }
 
     /// On a Cluster the indexes live outside the job's slot: kept here, after the script,
-    /// in one pipeline, only when membership or the lease changed. A crash in between is
-    /// repaired by the lease sweep.
+    /// only when membership or the lease changed. A crash in between is repaired by the
+    /// lease sweep.
     async fn index_outside(&self, id: &str, before: &JobRecord, after: &JobRecord) {
         if !self.cluster {
             return;
@@ -277,32 +289,7 @@ impl RedisStore {
         if !moved {
             return;
         }
-        let mut pipe = redis::pipe();
-        match after.job.state {
-            JobState::InProgress => {
-                pipe.cmd("ZADD")
-                    .arg(self.in_progress_index())
-                    .arg(millis(after.job.lease_until))
-                    .arg(id)
-                    .ignore();
-                pipe.cmd("SREM").arg(self.unknown_index()).arg(id).ignore();
-            }
-            state => {
-                pipe.cmd("ZREM")
-                    .arg(self.in_progress_index())
-                    .arg(id)
-                    .ignore();
-                let command = if state == JobState::Unknown {
-                    "SADD"
-                } else {
-                    "SREM"
-                };
-                pipe.cmd(command).arg(self.unknown_index()).arg(id).ignore();
-            }
-        }
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = pipe.query_async::<()>(&mut connection).await {
+        if let Err(e) = self.set_indexes(id, after).await {
             warn!(job_id = %id, error = %e, "could not update the job indexes; the lease sweep repairs them");
         }
     }
