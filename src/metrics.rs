@@ -248,7 +248,7 @@ impl Metrics {
     pub fn render(
         &self,
         jobs_unknown: Option<usize>,
-        breakers: &[crate::breaker::BreakerView],
+        breakers: &[crate::breaker::ProviderView],
     ) -> String {
         if let Some(count) = jobs_unknown {
             self.jobs_unknown.set(count as i64);
@@ -256,7 +256,7 @@ impl Metrics {
         self.stream_buffered
             .set(i64::try_from(crate::stream::buffered_bytes()).unwrap_or(i64::MAX));
         for b in breakers {
-            let state = match b.state {
+            let state = match b.breaker.state {
                 "open" => 1,
                 "half_open" => 2,
                 _ => 0,

@@ -137,6 +137,23 @@ pub async fn probe_route(config: &Config, upstream: &Upstream, route: &Route) ->
     results
 }
 
+/// Sends the route's probe to one provider: `None` when it passes (a 2xx that holds the
+/// route's contract), else what is wrong. What an open breaker is tested with.
+pub async fn probe_provider(
+    config: &Config,
+    upstream: &Upstream,
+    route: &Route,
+    index: usize,
+) -> Option<String> {
+    let mut single = route.clone();
+    single.providers = vec![index];
+    probe_route(config, upstream, &single)
+        .await
+        .into_iter()
+        .next()
+        .and_then(|result| result.problem)
+}
+
 /// What kind of document an answer is, for "parses as the primary's does".
 fn shape_of(body: &[u8]) -> &'static str {
     match serde_json::from_slice::<Value>(body) {

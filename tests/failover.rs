@@ -240,8 +240,11 @@ async fn a_failing_primary_is_skipped_while_its_circuit_is_open_then_tried_once(
     assert_eq!(received(&primary).await, 5);
     let providers = gw.admin_get("/providers").await.json();
     assert_eq!(providers["providers"][0]["name"], "primary");
-    assert_eq!(providers["providers"][0]["state"], "open");
-    assert_eq!(providers["providers"][1]["state"], "closed");
+    assert_eq!(providers["providers"][0]["breaker"]["state"], "open");
+    assert_eq!(providers["providers"][0]["breaker"]["failures"], 5);
+    assert_eq!(providers["providers"][0]["breaker"]["cool_down"], "700ms");
+    assert_eq!(providers["providers"][0]["probe"], serde_json::Value::Null);
+    assert_eq!(providers["providers"][1]["breaker"]["state"], "closed");
 
     // Open: zero calls reach the primary; the fallback answers as attempt 1.
     for i in 5..8 {
@@ -268,7 +271,7 @@ async fn a_failing_primary_is_skipped_while_its_circuit_is_open_then_tried_once(
     let trial = gw.post(CHAT, Some("k-breaker-trial"), chat_request()).await;
     assert_eq!(trial.header("x-idempotency-provider"), Some("primary"));
     assert_eq!(
-        gw.admin_get("/providers").await.json()["providers"][0]["state"],
+        gw.admin_get("/providers").await.json()["providers"][0]["breaker"]["state"],
         "closed"
     );
     let after = gw.post(CHAT, Some("k-breaker-after"), chat_request()).await;

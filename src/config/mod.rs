@@ -145,10 +145,24 @@ pub struct Provider {
     pub forward_client_credentials: bool,
 }
 
+/// `breaker = { failures, cool_down, max_cool_down }` (SPEC §4).
 #[derive(Clone, Copy, Debug)]
 pub struct Breaker {
+    /// Definite failures in a row that open the breaker.
     pub failures: u32,
+    /// The first cool-down; it doubles each time the breaker re-opens without a success.
     pub cool_down: Duration,
+    pub max_cool_down: Duration,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Self {
+            failures: 5,
+            cool_down: Duration::from_secs(2),
+            max_cool_down: Duration::from_secs(60),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,6 +199,9 @@ pub struct FailoverOn {
     pub any_5xx: bool,
     pub any_4xx: bool,
     pub statuses: Vec<u16>,
+    /// `code:<value>`: an error answer whose JSON body has this value at `/error/code` or
+    /// `/error/type` (the provider refused the request, so nothing ran).
+    pub codes: Vec<String>,
 }
 
 impl FailoverOn {
@@ -195,6 +212,23 @@ impl FailoverOn {
             && (self.statuses.contains(&status)
                 || (self.any_5xx && (500..600).contains(&status))
                 || (self.any_4xx && (400..500).contains(&status)))
+    }
+
+    /// The `code:` entry an error answer's body matches, if any.
+    pub fn covered_code(&self, status: u16, body: &[u8]) -> Option<&str> {
+        if self.codes.is_empty() || !(400..600).contains(&status) || status == 504 {
+            return None;
+        }
+        let json: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let error = json.get("error")?;
+        let found: Vec<&str> = ["code", "type"]
+            .iter()
+            .filter_map(|field| error.get(*field).and_then(|v| v.as_str()))
+            .collect();
+        self.codes
+            .iter()
+            .find(|code| found.contains(&code.as_str()))
+            .map(String::as_str)
     }
 }
 

@@ -103,6 +103,7 @@ pub(super) struct RawProvider {
 pub(super) struct RawBreaker {
     pub(super) failures: Option<u32>,
     pub(super) cool_down: Option<String>,
+    pub(super) max_cool_down: Option<String>,
 }
 
 #[derive(Deserialize)]

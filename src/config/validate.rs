@@ -388,20 +388,33 @@ impl Validator<'_> {
                 (k, json)
             })
             .collect();
-        let breaker = p.breaker.map_or(
-            Breaker {
-                failures: 5,
-                cool_down: Duration::from_secs(30),
-            },
-            |b| Breaker {
-                failures: b.failures.unwrap_or(5).max(1),
-                cool_down: self.duration(
+        let breaker = match p.breaker {
+            None => Breaker::default(),
+            Some(b) => {
+                let defaults = Breaker::default();
+                let cool_down = self.positive(
                     &format!("{at}.breaker.cool_down"),
                     b.cool_down,
-                    Duration::from_secs(30),
-                ),
-            },
-        );
+                    defaults.cool_down,
+                );
+                let max_cool_down = self.positive(
+                    &format!("{at}.breaker.max_cool_down"),
+                    b.max_cool_down,
+                    defaults.max_cool_down.max(cool_down),
+                );
+                if max_cool_down < cool_down {
+                    self.bad(
+                        format!("{at}.breaker.max_cool_down"),
+                        "must be at least cool_down: the cool-down doubles from cool_down up to it",
+                    );
+                }
+                Breaker {
+                    failures: b.failures.unwrap_or(defaults.failures).max(1),
+                    cool_down,
+                    max_cool_down: max_cool_down.max(cool_down),
+                }
+            }
+        };
         Provider {
             timeout: self.duration(&format!("{at}.timeout"), p.timeout, Duration::from_secs(60)),
             connect_timeout: self.duration(

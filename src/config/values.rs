@@ -72,11 +72,19 @@ pub(super) fn parse_failover_on(items: &[String]) -> Result<FailoverOn, String> 
             "504" => {
                 return Err("504 cannot be a definite failure: the provider timed out and the work may have run (it is treated as a timeout)".into())
             }
+            lower if lower.starts_with("code:") => {
+                // The value is matched as written (error codes are case-sensitive).
+                let value = item["code:".len()..].trim();
+                if value.is_empty() {
+                    return Err(format!("{item:?}: a code entry needs a value, matched against the JSON error body's /error/code or /error/type, e.g. \"code:context_length_exceeded\""));
+                }
+                on.codes.push(value.to_owned());
+            }
             code => match code.parse::<u16>() {
                 Ok(status) if (400..600).contains(&status) => on.statuses.push(status),
                 _ => {
                     return Err(format!(
-                        "{item:?} is not one of \"connect\", \"reset\", \"4xx\", \"5xx\" or a status code 400-599"
+                        "{item:?} is not one of \"connect\", \"reset\", \"4xx\", \"5xx\", \"code:<value>\" or a status code 400-599"
                     ))
                 }
             },

@@ -27,6 +27,9 @@ pub(super) enum Outcome {
         response: Option<StoredResponse>,
         error: Option<String>,
         failover: bool,
+        /// Whether it says the provider is unwell (for its breaker): a refused connection
+        /// does, an over-long prompt refused by its `code:` does not.
+        unhealthy: bool,
     },
     Unknown(String),
 }
@@ -150,8 +153,12 @@ impl AttemptTask {
                 self.engine.breakers.record_success(index);
                 "succeeded"
             }
-            Outcome::Definite { kind, .. } => {
-                self.engine.breakers.record_failure(index);
+            Outcome::Definite {
+                kind, unhealthy, ..
+            } => {
+                if *unhealthy {
+                    self.engine.breakers.record_failure(index);
+                }
                 match kind {
                     Failure::Failed => "failed",
                     Failure::ContractRejected => "contract_rejected",
@@ -184,6 +191,19 @@ impl AttemptTask {
                 error: Some(format!("the provider answered {status}")),
                 response: Some(response),
                 failover: true,
+                unhealthy: true,
+            };
+        }
+        if let Some(code) = self.route.failover_on.covered_code(status, &response.body) {
+            // The provider refused the request (e.g. an over-long prompt): nothing ran, so
+            // another provider may take it; it says nothing about the provider's health.
+            return Outcome::Definite {
+                kind: Failure::Failed,
+                upstream_status: Some(status),
+                error: Some(format!("the provider answered {status} {code}")),
+                response: Some(response),
+                failover: true,
+                unhealthy: false,
             };
         }
         if (200..300).contains(&status) {
@@ -196,6 +216,7 @@ impl AttemptTask {
                     error: Some(missing),
                     response: None,
                     failover: true,
+                    unhealthy: true,
                 };
             }
         }
@@ -211,6 +232,7 @@ impl AttemptTask {
                 response: None,
                 error: Some(text),
                 failover: self.route.failover_on.connect,
+                unhealthy: true,
             },
             CallError::Reset(_) if self.route.failover_on.reset => Outcome::Definite {
                 kind: Failure::Failed,
@@ -218,6 +240,7 @@ impl AttemptTask {
                 response: None,
                 error: Some(text),
                 failover: true,
+                unhealthy: true,
             },
             CallError::Reset(_) | CallError::Broken(_) => Outcome::Unknown(text),
         }
@@ -266,6 +289,7 @@ impl AttemptTask {
                 response,
                 error,
                 failover,
+                ..
             } => {
                 let fail = Transition::FailAttempt {
                     n,

@@ -169,6 +169,18 @@ impl Engine {
             let stopping = engine.stopping.clone();
             let sweep = sweep_leases(Arc::downgrade(&engine));
             engine.spawn(async move { stopping.run_until_cancelled(sweep).await });
+            // A provider of a route with a probe is probed while its breaker is open.
+            let mut probed = Vec::new();
+            for route in engine.config.routes.iter().filter(|r| r.probe.is_some()) {
+                for &index in &route.providers {
+                    if !probed.contains(&index) {
+                        probed.push(index);
+                        let stopping = engine.stopping.clone();
+                        let prober = probe_open_breaker(Arc::downgrade(&engine), index, route.clone());
+                        engine.spawn(async move { stopping.run_until_cancelled(prober).await });
+                    }
+                }
+            }
             for route in engine
                 .config
                 .routes
@@ -559,6 +571,32 @@ impl Engine {
 
     fn lock_rounds(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, u64>> {
         self.rounds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// While provider `index`'s breaker is open, sends `route`'s probe to it every cool-down: a
+/// pass closes the breaker, so a recovered provider is back in use within about one
+/// cool-down of its recovery without real traffic paying for the test; a failure re-opens
+/// it with a doubled cool-down. Ends when the engine is dropped or stopped.
+async fn probe_open_breaker(engine: std::sync::Weak<Engine>, index: usize, route: Arc<Route>) {
+    loop {
+        let Some(strong) = engine.upgrade() else { return };
+        let Some(at) = strong.breakers.due(index) else {
+            // Closed: wait for a breaker to open (re-checking now and then).
+            let opened = strong.breakers.opened();
+            let _ = tokio::time::timeout(Duration::from_secs(1), opened).await;
+            continue;
+        };
+        drop(strong);
+        tokio::time::sleep_until(at).await;
+        let Some(engine) = engine.upgrade() else { return };
+        if engine.breakers.due(index) != Some(at) {
+            continue;
+        }
+        let problem =
+            crate::probe::probe_provider(&engine.config, &engine.upstream, &route, index).await;
+        debug!(provider = %engine.config.provider(index).name, ?problem, "probed an open breaker");
+        engine.breakers.record_probe(index, problem);
     }
 }
 

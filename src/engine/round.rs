@@ -163,6 +163,9 @@ pub(super) async fn run_round(
             }
             _ = sleep_until(hedge_at.unwrap_or_else(far_future)), if hedge_at.is_some() => {
                 debug!(route = %round.route.name, "hedging: attempt in flight is silent");
+                // A hedge goes somewhere else: past entries whose provider is already running
+                // an attempt of this job (a retry of the silent primary is no hedge).
+                round.cursor = round.next_idle_step().unwrap_or(round.route.providers.len());
                 if let Err(end) = round.start_next(None).await {
                     return end;
                 }
@@ -343,9 +346,18 @@ impl Round {
 
     /// When to start a hedged attempt: the newest running attempt has been silent for
     /// `hedge_after` (headers alone are not an answer).
+    /// The next step of the route, from the cursor, whose provider is not running an
+    /// attempt of this job.
+    fn next_idle_step(&self) -> Option<usize> {
+        (self.cursor..self.route.providers.len()).find(|&step| {
+            let index = self.route.providers[step];
+            !self.running().any(|(_, live)| live.index == index)
+        })
+    }
+
     fn next_hedge(&self) -> Option<Instant> {
         let hedge_after = self.route.hedge_after?;
-        if self.no_more_attempts || self.cursor >= self.route.providers.len() {
+        if self.no_more_attempts || self.next_idle_step().is_none() {
             return None;
         }
         let (_, newest) = self.running().last()?;
