@@ -292,7 +292,10 @@ mod tests {
         assert_eq!(b.views()[0].breaker.state, "open");
         b.record_probe(0, None);
         let view = &b.views()[0];
-        assert_eq!((view.breaker.state, view.breaker.cool_down.as_str()), ("closed", "2s"));
+        assert_eq!(
+            (view.breaker.state, view.breaker.cool_down.as_str()),
+            ("closed", "2s")
+        );
         assert!(view.probe.as_ref().unwrap().ok);
     }
 }

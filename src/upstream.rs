@@ -174,8 +174,13 @@ fn classify(error: hyper_util::client::legacy::Error) -> CallError {
     let mut not_sent = false;
     while let Some(e) = source {
         if let Some(e) = e.downcast_ref::<hyper::Error>() {
-            // Canceled: the pooled connection closed before the request went out.
-            not_sent = e.is_canceled() || e.is_body_write_aborted();
+            // Canceled: the pooled connection closed before the request went out. A failed
+            // body write: the connection broke while the request was still being sent.
+            // (hyper has no predicate for the latter; its kind shows in its message.)
+            not_sent = e.is_canceled()
+                || e.is_body_write_aborted()
+                || e.to_string()
+                    .starts_with("error writing a body to connection");
             break;
         }
         source = e.source();

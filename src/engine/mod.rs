@@ -176,7 +176,8 @@ impl Engine {
                     if !probed.contains(&index) {
                         probed.push(index);
                         let stopping = engine.stopping.clone();
-                        let prober = probe_open_breaker(Arc::downgrade(&engine), index, route.clone());
+                        let prober =
+                            probe_open_breaker(Arc::downgrade(&engine), index, route.clone());
                         engine.spawn(async move { stopping.run_until_cancelled(prober).await });
                     }
                 }
@@ -580,7 +581,9 @@ impl Engine {
 /// it with a doubled cool-down. Ends when the engine is dropped or stopped.
 async fn probe_open_breaker(engine: std::sync::Weak<Engine>, index: usize, route: Arc<Route>) {
     loop {
-        let Some(strong) = engine.upgrade() else { return };
+        let Some(strong) = engine.upgrade() else {
+            return;
+        };
         let Some(at) = strong.breakers.due(index) else {
             // Closed: wait for a breaker to open (re-checking now and then).
             let opened = strong.breakers.opened();
@@ -589,7 +592,9 @@ async fn probe_open_breaker(engine: std::sync::Weak<Engine>, index: usize, route
         };
         drop(strong);
         tokio::time::sleep_until(at).await;
-        let Some(engine) = engine.upgrade() else { return };
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
         if engine.breakers.due(index) != Some(at) {
             continue;
         }
