@@ -400,11 +400,16 @@ async fn a_reset_after_the_request_was_sent_is_unknown_unless_the_route_says_res
 async fn a_connection_dropped_while_the_request_is_sent_is_a_definite_failure() {
     let fallback = answering(completion()).await;
     let primary = hanging_up(0).await;
-    let gw = TestGateway::start(&config(&primary, &fallback.uri(), "failures = 5", "")).await;
-    // A body far larger than any socket buffer: the provider hangs up while it is sent.
+    let gw = TestGateway::start(&format!(
+        "max_body_bytes = 134217728\n{}",
+        config(&primary, &fallback.uri(), "failures = 5", "")
+    ))
+    .await;
+    // A body far larger than the socket buffers on both sides together: the provider hangs
+    // up while it is still being sent.
     let big = Bytes::from(format!(
         "{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}",
-        "x".repeat(8 * 1024 * 1024)
+        "x".repeat(48 * 1024 * 1024)
     ));
     let reply = gw.post(CHAT, Some("not-sent"), big).await;
     assert_eq!(reply.status, 200, "{}", gw.job(&reply.job_id()).await);
