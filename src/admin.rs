@@ -62,6 +62,9 @@ impl Admin {
                 );
                 return Ok(response);
             }
+            // The console's page is open: it holds no data, and asks for the token before it
+            // shows any (every call it makes needs the token).
+            (&Method::GET, "/ui") => return Ok(console()),
             (&Method::GET, "/readyz") => {
                 return match self.engine.store().ping().await {
                     Ok(()) => Ok(json_response(StatusCode::OK, json!({"status": "ready"}))),
@@ -124,16 +127,20 @@ impl Admin {
         }
     }
 
-    /// `GET /jobs?state=unknown[&limit=N][&after=ID]`: the jobs an operator must resolve,
-    /// in id order, a page at a time.
+    /// `GET /jobs?state=unknown|in_progress[&limit=N][&after=ID]`: the jobs an operator
+    /// looks at, in id order, a page at a time, from the store's indexes (never a scan);
+    /// `GET /jobs?key=K&owner=HASH`: the job of that (owner, key).
     async fn list(&self, query: &str) -> Result<Response<Body>, Problem> {
         let mut state = None;
         let mut limit = 100usize;
         let mut after = None;
+        let mut key = None;
+        let mut owner = None;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            match key {
-                "state" => state = Some(value.to_owned()),
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_decode(value);
+            match name {
+                "state" => state = Some(value),
                 "limit" => {
                     limit = value
                         .parse::<usize>()
@@ -141,20 +148,33 @@ impl Admin {
                         .filter(|l| (1..=1000).contains(l))
                         .ok_or(Cause::BadQuery("limit must be 1 to 1000"))?
                 }
-                "after" => after = Some(value.to_owned()),
+                "after" => after = Some(value),
+                "key" => key = Some(value),
+                "owner" => owner = Some(value),
                 _ => {}
             }
         }
-        if state.as_deref() != Some("unknown") {
-            return Err(Cause::BadQuery(
-                "only state=unknown can be listed: those are the jobs that need an operator",
-            )
-            .into());
+        let store = self.engine.store();
+        if let Some(key) = key {
+            let owner = owner.ok_or(Cause::BadQuery(
+                "a lookup by key needs the owner's hash too (owner=)",
+            ))?;
+            let found = store.find(&owner, &key).await.map_err(store_problem)?;
+            let found = found.filter(|r| !r.is_expired(crate::clock::now()));
+            return match found {
+                Some(record) => Ok(json_response(StatusCode::OK, job_view(&record))),
+                None => Err(Cause::NotFound("no job for that key and owner".into()).into()),
+            };
         }
-        let store = &self.engine.store();
-        let ids = store
-            .unknown_jobs(after.as_deref(), limit)
-            .await
+        let ids =
+            match state.as_deref() {
+                Some("unknown") => store.unknown_jobs(after.as_deref(), limit).await,
+                Some("in_progress") => store.in_progress_jobs(after.as_deref(), limit).await,
+                _ => return Err(Cause::BadQuery(
+                    "list jobs by state=unknown or state=in_progress, or find one by key=…&owner=…",
+                )
+                .into()),
+            }
             .map_err(store_problem)?;
         let mut jobs = Vec::with_capacity(ids.len());
         for id in &ids {
@@ -184,12 +204,56 @@ impl Admin {
     }
 }
 
+/// A query value with `%XX` escapes and `+` decoded (keys may hold any visible ASCII).
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match u8::from_str_radix(&value[i + 1..i + 3], 16) {
+                Ok(b) => {
+                    out.push(b);
+                    i += 3;
+                    continue;
+                }
+                Err(_) => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn not_found(id: &str) -> Problem {
     Cause::NotFound(format!("no job {id}")).into()
 }
 
 fn store_problem(e: StoreError) -> Problem {
     Cause::Store(e).into()
+}
+
+/// The operator console: one self-contained page, no external assets.
+fn console() -> Response<Body> {
+    let mut response = Response::new(body::full(include_str!("ui.html")));
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    headers.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:",
+        ),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-store"),
+    );
+    response
 }
 
 fn json_response(status: StatusCode, value: Value) -> Response<Body> {

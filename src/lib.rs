@@ -60,6 +60,7 @@ pub mod body;
 pub mod breaker;
 pub mod clock;
 pub mod config;
+pub mod console;
 pub mod contract;
 pub mod edge;
 pub mod engine;

@@ -29,6 +29,21 @@ enum Command {
     /// Read one credential line on standard input and print its SHA-256 (hex): the owner
     /// hash, and what `[clients] allow` lists.
     OwnerHash,
+    /// Show jobs from a gateway's admin API: the ones needing a look, or one job's story
+    /// (attempts and a timeline). The token is read from the environment.
+    Jobs {
+        /// The admin API, e.g. http://127.0.0.1:8081
+        #[arg(long)]
+        admin: String,
+        /// List the jobs in this state.
+        #[arg(long, value_parser = ["unknown", "in_progress"], default_value = "unknown")]
+        state: String,
+        /// The environment variable holding the admin token.
+        #[arg(long, default_value = "IDEMGATE_ADMIN_TOKEN")]
+        token_env: String,
+        /// One job's id: its attempts and timeline instead of a list.
+        id: Option<String>,
+    },
 }
 
 /// Logs to stderr as the config says; `IDEMGATE_LOG` overrides the level.
@@ -62,7 +77,72 @@ fn main() -> ExitCode {
         },
         Some(Command::Probe) => probe(cli.config),
         Some(Command::OwnerHash) => owner_hash(),
+        Some(Command::Jobs {
+            admin,
+            state,
+            token_env,
+            id,
+        }) => jobs(&admin, &state, &token_env, id.as_deref()),
         None => serve(cli.config),
+    }
+}
+
+/// `idemgate jobs`: one GET to the admin API, rendered for a terminal.
+fn jobs(admin: &str, state: &str, token_env: &str, id: Option<&str>) -> ExitCode {
+    let Ok(token) = std::env::var(token_env) else {
+        eprintln!("idemgate jobs: set {token_env} to the admin token");
+        return ExitCode::from(2);
+    };
+    let path = match id {
+        Some(id) => format!("/jobs/{id}"),
+        None => format!("/jobs?state={state}&limit=200"),
+    };
+    let url = format!("{}{path}", admin.trim_end_matches('/'));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("the tokio runtime starts");
+    let fetched = runtime.block_on(async {
+        use http_body_util::BodyExt;
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        let request = http::Request::get(&url)
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+            .body(http_body_util::Empty::new())
+            .map_err(|e| e.to_string())?;
+        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!(
+                "{status}: {}",
+                value["detail"].as_str().unwrap_or("no detail")
+            ));
+        }
+        Ok(value)
+    });
+    match fetched {
+        Ok(value) => {
+            print!(
+                "{}",
+                match id {
+                    Some(_) => idemgate::console::render_job(&value),
+                    None => idemgate::console::render_list(&value),
+                }
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idemgate jobs: {url}: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -23,6 +23,10 @@ use tokio::time::Instant;
 
 const CHAT: &str = "/v1/chat/completions";
 
+/// The tests that open hundreds of connections or hundreds of megabytes take turns, so each
+/// measures its own gateway rather than the machine's other load.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn edge_config(provider: &str, server: &str) -> String {
     format!(
         "{server}\n[store]\nkind = \"memory\"\n\
@@ -53,6 +57,7 @@ async fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> (Vec<u8>,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_headers_are_cut_off_while_other_clients_are_served() {
+    let _turn = HEAVY.lock().await;
     let provider = answering(completion()).await;
     let config = edge_config(&provider.uri(), "request_header_timeout = \"1s\"");
     let gw = TestGateway::start(&config).await;
@@ -62,7 +67,9 @@ async fn slow_headers_are_cut_off_while_other_clients_are_served() {
     for _ in 0..500 {
         let addr = addr.clone();
         slow.push(tokio::spawn(async move {
-            let mut stream = TcpStream::connect(&addr).await.unwrap();
+            let mut stream = bounded("a connection", TcpStream::connect(&addr))
+                .await
+                .unwrap();
             let opened = Instant::now();
             stream
                 .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
@@ -101,7 +108,7 @@ async fn slow_headers_are_cut_off_while_other_clients_are_served() {
     }
     let mut answered_408 = 0;
     for task in slow {
-        let (closed, after, read) = task.await.unwrap();
+        let (closed, after, read) = bounded("a slow client", task).await.unwrap();
         assert!(closed, "a trickling connection was never closed");
         assert!(
             after >= Duration::from_millis(900) && after < Duration::from_secs(3),
@@ -802,6 +809,7 @@ fn rss_bytes(pid: u32) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_max_connections_clients_wait_and_the_descriptors_stay_bounded() {
+    let _turn = HEAVY.lock().await;
     let provider = answering(completion()).await;
     let (gateway, _dir) = gateway_process(
         &provider.uri(),
@@ -840,6 +848,7 @@ async fn past_max_connections_clients_wait_and_the_descriptors_stay_bounded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_bodies_are_held_only_up_to_the_body_budget() {
+    let _turn = HEAVY.lock().await;
     let provider = answering(completion()).await;
     let (gateway, _dir) = gateway_process(
         &provider.uri(),

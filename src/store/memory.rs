@@ -172,6 +172,33 @@ impl JobStore for MemoryStore {
         Ok(lapsed)
     }
 
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let state = self.lock();
+        let mut ids: Vec<JobId> = state
+            .jobs
+            .values()
+            .filter(|r| r.job.state == JobState::InProgress)
+            .map(|r| r.job.id.clone())
+            .filter(|id| after.is_none_or(|after| id.as_str() > after))
+            .collect();
+        ids.sort_unstable();
+        ids.truncate(limit);
+        Ok(ids)
+    }
+
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        let state = self.lock();
+        Ok(state
+            .by_key
+            .get(&(owner.to_owned(), key.to_owned()))
+            .and_then(|id| state.jobs.get(id))
+            .cloned())
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }

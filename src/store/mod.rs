@@ -110,6 +110,17 @@ pub trait JobStore: Send + Sync + Debug + 'static {
         limit: usize,
     ) -> Result<Vec<(JobId, u64)>, StoreError>;
 
+    /// Ids of jobs currently `in_progress`, in id order, after `after`, at most `limit`,
+    /// from the store's in-progress index.
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError>;
+
+    /// The job of (owner, key), if one is retained.
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError>;
+
     /// How many jobs are `unknown`, from the store's index: one cheap read, never one per
     /// job, so `/metrics` costs the same whatever the store holds.
     async fn count_unknown(&self) -> Result<usize, StoreError> {

@@ -93,6 +93,19 @@ impl JobStore for Timed {
             .await
     }
 
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        self.bounded(self.limit, self.inner.in_progress_jobs(after, limit))
+            .await
+    }
+
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.bounded(self.limit, self.inner.find(owner, key)).await
+    }
+
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         self.bounded(self.limit, self.inner.count_unknown()).await
     }

@@ -173,6 +173,18 @@ impl JobStore for Faulty {
         self.inner.unknown_jobs(after, limit).await
     }
 
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        self.inner.in_progress_jobs(after, limit).await
+    }
+
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.inner.find(owner, key).await
+    }
+
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         self.inner.count_unknown().await
     }

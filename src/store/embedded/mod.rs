@@ -461,6 +461,51 @@ impl JobStore for EmbeddedStore {
         Ok(lapsed)
     }
 
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let table = txn
+            .open_table(IN_PROGRESS)
+            .map_err(|e| self.unavailable(e))?;
+        let range = match after {
+            Some(after) => {
+                table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
+            }
+            None => table.range::<&str>(..),
+        }
+        .map_err(|e| self.unavailable(e))?;
+        range
+            .take(limit)
+            .map(|entry| {
+                entry
+                    .map(|(k, _)| k.value().to_owned())
+                    .map_err(|e| self.unavailable(e))
+            })
+            .collect()
+    }
+
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let claims = txn.open_table(CLAIMS).map_err(|e| self.unavailable(e))?;
+        let mut claim = Vec::with_capacity(owner.len() + 1 + key.len());
+        claim.extend_from_slice(owner.as_bytes());
+        claim.push(0);
+        claim.extend_from_slice(key.as_bytes());
+        let id = claims
+            .get(claim.as_slice())
+            .map_err(|e| self.unavailable(e))?
+            .map(|id| id.value().to_owned());
+        drop(claims);
+        drop(txn);
+        match id {
+            Some(id) => self.read(&id),
+            None => Ok(None),
+        }
+    }
+
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         use redb::ReadableTableMetadata;
         let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;

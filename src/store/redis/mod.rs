@@ -688,6 +688,52 @@ impl JobStore for RedisStore {
         Ok(lapsed)
     }
 
+    async fn in_progress_jobs(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let mut ids: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.in_progress_index())
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        ids.sort_unstable();
+        ids.retain(|id| after.is_none_or(|after| id.as_str() > after));
+        let mut live = Vec::new();
+        for id in ids {
+            if live.len() == limit {
+                break;
+            }
+            match self.fetch(&id).await? {
+                Some((_, record, _)) if record.job.state == JobState::InProgress => live.push(id),
+                Some((_, record, _)) => self.index_outside_repair(&id, &record).await,
+                None => {}
+            }
+        }
+        Ok(live)
+    }
+
+    async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        let digest = claim_digest(owner, key);
+        let keys = self.keys(&digest[..crate::job::SHARD_TAG_LEN]);
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let id: Option<String> = redis::cmd("GET")
+            .arg(format!("{}{digest}", keys.claim))
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        match id {
+            Some(id) => self.get(&id).await,
+            None => Ok(None),
+        }
+    }
+
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
