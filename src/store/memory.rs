@@ -54,6 +54,21 @@ impl MemoryStore {
         }
     }
 
+    /// Ids of jobs in `state`, in id order, after `after`, at most `limit`.
+    fn in_state(&self, state: JobState, after: Option<&str>, limit: usize) -> Vec<JobId> {
+        let mut ids: Vec<JobId> = self
+            .lock()
+            .jobs
+            .values()
+            .filter(|r| r.job.state == state)
+            .map(|r| r.job.id.clone())
+            .filter(|id| after.is_none_or(|after| id.as_str() > after))
+            .collect();
+        ids.sort_unstable();
+        ids.truncate(limit);
+        ids
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave a half-applied transition: records
         // are replaced only after the pure transition returned.
@@ -142,17 +157,7 @@ impl JobStore for MemoryStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let state = self.lock();
-        let mut ids: Vec<JobId> = state
-            .jobs
-            .values()
-            .filter(|r| r.job.state == JobState::Unknown)
-            .map(|r| r.job.id.clone())
-            .filter(|id| after.is_none_or(|after| id.as_str() > after))
-            .collect();
-        ids.sort_unstable();
-        ids.truncate(limit);
-        Ok(ids)
+        Ok(self.in_state(JobState::Unknown, after, limit))
     }
 
     async fn lapsed_leases(
@@ -177,17 +182,7 @@ impl JobStore for MemoryStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let state = self.lock();
-        let mut ids: Vec<JobId> = state
-            .jobs
-            .values()
-            .filter(|r| r.job.state == JobState::InProgress)
-            .map(|r| r.job.id.clone())
-            .filter(|id| after.is_none_or(|after| id.as_str() > after))
-            .collect();
-        ids.sort_unstable();
-        ids.truncate(limit);
-        Ok(ids)
+        Ok(self.in_state(JobState::InProgress, after, limit))
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {

@@ -222,6 +222,32 @@ impl EmbeddedStore {
         });
     }
 
+    /// The ids an index table holds, in id order, after `after`, at most `limit`.
+    fn ids_in<V: redb::Value + 'static>(
+        &self,
+        index: TableDefinition<&str, V>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        let table = txn.open_table(index).map_err(|e| self.unavailable(e))?;
+        let range = match after {
+            Some(after) => {
+                table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
+            }
+            None => table.range::<&str>(..),
+        }
+        .map_err(|e| self.unavailable(e))?;
+        range
+            .take(limit)
+            .map(|entry| {
+                entry
+                    .map(|(k, _)| k.value().to_owned())
+                    .map_err(|e| self.unavailable(e))
+            })
+            .collect()
+    }
+
     fn unavailable(&self, e: impl Into<crate::body::BoxError>) -> StoreError {
         StoreError::unavailable(format!("embedded store {}", self.path.display()), e)
     }
@@ -466,25 +492,7 @@ impl JobStore for EmbeddedStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let table = txn
-            .open_table(IN_PROGRESS)
-            .map_err(|e| self.unavailable(e))?;
-        let range = match after {
-            Some(after) => {
-                table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
-            }
-            None => table.range::<&str>(..),
-        }
-        .map_err(|e| self.unavailable(e))?;
-        range
-            .take(limit)
-            .map(|entry| {
-                entry
-                    .map(|(k, _)| k.value().to_owned())
-                    .map_err(|e| self.unavailable(e))
-            })
-            .collect()
+        self.ids_in(IN_PROGRESS, after, limit)
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -519,22 +527,7 @@ impl JobStore for EmbeddedStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let unknown = txn.open_table(UNKNOWN).map_err(|e| self.unavailable(e))?;
-        let range = match after {
-            Some(after) => unknown
-                .range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
-            None => unknown.range::<&str>(..),
-        }
-        .map_err(|e| self.unavailable(e))?;
-        range
-            .take(limit)
-            .map(|entry| {
-                entry
-                    .map(|(k, _)| k.value().to_owned())
-                    .map_err(|e| self.unavailable(e))
-            })
-            .collect()
+        self.ids_in(UNKNOWN, after, limit)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

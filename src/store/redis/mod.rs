@@ -235,6 +235,50 @@ impl RedisStore {
         }
     }
 
+    /// The members of an index (read by `members`) whose jobs are in `state`, in id order,
+    /// after `after`, at most `limit`. The indexes are kept beside the jobs, not with them:
+    /// an entry that went stale is repaired from its job on the way.
+    async fn listed(
+        &self,
+        members: redis::Cmd,
+        state: JobState,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<JobId>, StoreError> {
+        let mut connection = self.connection.clone();
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+        let mut ids: Vec<String> = members
+            .query_async(&mut connection)
+            .await
+            .map_err(unavailable)?;
+        ids.sort_unstable();
+        ids.retain(|id| after.is_none_or(|after| id.as_str() > after));
+        let mut live = Vec::new();
+        for id in ids {
+            if live.len() == limit {
+                break;
+            }
+            match self.fetch(&id).await? {
+                Some((_, record, _)) if record.job.state == state => live.push(id),
+                Some((_, record, _)) => self.index_outside_repair(&id, &record).await,
+                None => {
+                    let _: Result<(), _> = redis::pipe()
+                        .cmd("ZREM")
+                        .arg(self.in_progress_index())
+                        .arg(&id)
+                        .ignore()
+                        .cmd("SREM")
+                        .arg(self.unknown_index())
+                        .arg(&id)
+                        .ignore()
+                        .query_async(&mut connection)
+                        .await;
+                }
+            }
+        }
+        Ok(live)
+    }
+
     /// Puts a job's index entries right, whatever they were.
     async fn index_outside_repair(&self, id: &str, record: &JobRecord) {
         if let Err(e) = self.set_indexes(id, record).await {
@@ -693,29 +737,10 @@ impl JobStore for RedisStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let mut ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(self.in_progress_index())
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut connection)
+        let mut members = redis::cmd("ZRANGE");
+        members.arg(self.in_progress_index()).arg(0).arg(-1);
+        self.listed(members, JobState::InProgress, after, limit)
             .await
-            .map_err(unavailable)?;
-        ids.sort_unstable();
-        ids.retain(|id| after.is_none_or(|after| id.as_str() > after));
-        let mut live = Vec::new();
-        for id in ids {
-            if live.len() == limit {
-                break;
-            }
-            match self.fetch(&id).await? {
-                Some((_, record, _)) if record.job.state == JobState::InProgress => live.push(id),
-                Some((_, record, _)) => self.index_outside_repair(&id, &record).await,
-                None => {}
-            }
-        }
-        Ok(live)
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -749,33 +774,9 @@ impl JobStore for RedisStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let mut connection = self.connection.clone();
-        self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let mut ids: Vec<String> = redis::cmd("SMEMBERS")
-            .arg(self.unknown_index())
-            .query_async(&mut connection)
-            .await
-            .map_err(unavailable)?;
-        ids.sort_unstable();
-        ids.retain(|id| after.is_none_or(|after| id.as_str() > after));
-        // The index is kept beside the jobs, not with them: drop entries that went stale.
-        let mut live = Vec::new();
-        for id in ids {
-            if live.len() == limit {
-                break;
-            }
-            match self.fetch(&id).await? {
-                Some((_, record, _)) if record.job.state == JobState::Unknown => live.push(id),
-                _ => {
-                    let _: Result<(), _> = redis::cmd("SREM")
-                        .arg(self.unknown_index())
-                        .arg(&id)
-                        .query_async(&mut connection)
-                        .await;
-                }
-            }
-        }
-        Ok(live)
+        let mut members = redis::cmd("SMEMBERS");
+        members.arg(self.unknown_index());
+        self.listed(members, JobState::Unknown, after, limit).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
