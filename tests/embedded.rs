@@ -179,18 +179,7 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
     ];
 
     let mut gateway = spawn_gateway(&config, port, admin_port).await;
-    let in_flight = {
-        let client = client.clone();
-        let url = format!("{}{CHAT}", gateway.base);
-        tokio::spawn(async move {
-            let request = http::Request::post(url)
-                .header("authorization", "Bearer sk-client-1")
-                .header("idempotency-key", "k-crash")
-                .body(http_body_util::Full::new(chat_request()))
-                .unwrap();
-            let _ = client.request(request).await;
-        })
-    };
+    let in_flight = post_in_background(&gateway.base, "k-crash");
     let held = provider.next_call().await;
     gateway.child.kill().unwrap(); // SIGKILL: no grace, no bookkeeping
     gateway.child.wait().unwrap();
@@ -404,18 +393,7 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_the_sweep_with_no_request
     .unwrap();
     let client = client();
     let mut gateway = spawn_gateway(&config, port, admin_port).await;
-    let in_flight = {
-        let client = client.clone();
-        let url = format!("{}{CHAT}", gateway.base);
-        tokio::spawn(async move {
-            let request = http::Request::post(url)
-                .header("authorization", "Bearer sk-client-1")
-                .header("idempotency-key", "k-orphan")
-                .body(http_body_util::Full::new(chat_request()))
-                .unwrap();
-            let _ = client.request(request).await;
-        })
-    };
+    let in_flight = post_in_background(&gateway.base, "k-orphan");
     let _held = provider.next_call().await;
     gateway.child.kill().unwrap();
     gateway.child.wait().unwrap();

@@ -284,17 +284,7 @@ async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
     )
     .unwrap();
     let mut doomed = spawn_gateway(&file, port, admin_port).await;
-    let cut = {
-        let url = format!("{}{CHAT}", doomed.base);
-        tokio::spawn(async move {
-            let request = http::Request::post(url)
-                .header("authorization", "Bearer sk-client-1")
-                .header("idempotency-key", "k-killed")
-                .body(http_body_util::Full::new(chat_request()))
-                .unwrap();
-            let _ = client().request(request).await;
-        })
-    };
+    let cut = post_in_background(&doomed.base, "k-killed");
     let _held = provider.next_call().await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
@@ -399,17 +389,7 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_another_gateway_s_sweep()
     )
     .await;
     let mut doomed = spawn_gateway(&file, port, admin_port).await;
-    let cut = {
-        let url = format!("{}{CHAT}", doomed.base);
-        tokio::spawn(async move {
-            let request = http::Request::post(url)
-                .header("authorization", "Bearer sk-client-1")
-                .header("idempotency-key", "k-orphan")
-                .body(http_body_util::Full::new(chat_request()))
-                .unwrap();
-            let _ = client().request(request).await;
-        })
-    };
+    let cut = post_in_background(&doomed.base, "k-orphan");
     let _held = provider.next_call().await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();

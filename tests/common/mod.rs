@@ -462,6 +462,20 @@ pub fn comparable_headers(reply: &Reply) -> HashMap<String, String> {
         .collect()
 }
 
+/// Sends one keyed POST to `base` in the background, for a request the test cuts off (by
+/// killing the gateway that runs it); its answer, if any, is ignored.
+pub fn post_in_background(base: &str, key: &'static str) -> tokio::task::JoinHandle<()> {
+    let url = format!("{base}/v1/chat/completions");
+    tokio::spawn(async move {
+        let request = Request::post(url)
+            .header("authorization", "Bearer sk-client-1")
+            .header("idempotency-key", key)
+            .body(Full::new(chat_request()))
+            .unwrap();
+        let _ = client().request(request).await;
+    })
+}
+
 /// The `idemgate` binary running as a child process, killed when dropped.
 pub struct Process {
     pub child: Child,
