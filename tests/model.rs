@@ -20,6 +20,11 @@
 //! 5. One (owner, key) has one job within retention; different (owner, key) never share one.
 //! 6. Every attempt belongs to exactly one job: ordinals are 1, 2, … with no gaps, and a
 //!    winner's fencing token is the version it completed (`read_version + 1`).
+//!
+//! Every step is also checked against `reference`, SPEC §2 written as a small table of its
+//! own (not `JobRecord::apply`): a rule bug that the store and the crate's model would share
+//! is caught there. Histories also run through a store that loses replies (`tests/faults`),
+//! each failed write retried as the engine retries it.
 
 mod common;
 mod faults;
@@ -481,6 +486,7 @@ impl Runner {
             ));
         }
         check_same(&applied.record, model)?;
+        reference::check(&before, &transition, &applied.record)?;
         check_invariants(
             &before,
             &applied.record,
@@ -802,4 +808,177 @@ async fn histories_on_a_redis_cluster() {
         }
     })
     .await;
+}
+
+/// An independent reference of SPEC §2, written as the spec states it rather than as
+/// `JobRecord::apply` computes it: from a job as it was and one transition, the job state,
+/// version, winner and attempt states that must follow. A transition that does not apply
+/// (or was applied before) changes nothing.
+mod reference {
+    use idemgate::job::{AttemptState as A, Failure, JobRecord, JobState as J, Transition as T};
+
+    #[derive(Debug, PartialEq, Eq)]
+    pub struct Expected {
+        pub state: J,
+        pub version: u64,
+        pub completed_by: Option<u32>,
+        pub attempts: Vec<A>,
+    }
+
+    fn live(a: A) -> bool {
+        matches!(a, A::Started | A::Unknown)
+    }
+
+    pub fn after(before: &JobRecord, transition: &T) -> Expected {
+        let job = &before.job;
+        let mut e = Expected {
+            state: job.state,
+            version: job.version,
+            completed_by: job.completed_by,
+            attempts: before.attempts.iter().map(|a| a.state).collect(),
+        };
+        let at = |n: u32| before.attempts.iter().position(|a| a.n == n);
+        let read = |n: u32| {
+            before
+                .attempts
+                .iter()
+                .find(|a| a.n == n)
+                .map(|a| a.read_version)
+        };
+        let open = matches!(job.state, J::InProgress | J::Unknown);
+        // The compare-and-swap, as SPEC §2 writes it.
+        let may_win = |n: u32| read(n) == Some(job.version) && job.completed_by.is_none() && open;
+        match transition {
+            T::StartAttempt { version, n, .. } => {
+                let next = before.attempts.last().map_or(1, |a| a.n + 1);
+                if at(*n).is_none()
+                    && job.state == J::InProgress
+                    && *version == job.version
+                    && *n == next
+                {
+                    e.attempts.push(A::Started);
+                }
+            }
+            T::Complete { n, .. } => {
+                if let Some(i) = at(*n).filter(|&i| live(e.attempts[i])) {
+                    if may_win(*n) {
+                        e.attempts[i] = A::Succeeded;
+                        e.state = J::Succeeded;
+                        e.version += 1;
+                        e.completed_by = Some(*n);
+                    } else {
+                        e.attempts[i] = A::LostRace;
+                    }
+                }
+            }
+            T::FailAttempt { n, kind, .. } => {
+                if let Some(i) = at(*n).filter(|&i| live(e.attempts[i])) {
+                    let was_unknown = e.attempts[i] == A::Unknown;
+                    e.attempts[i] = match kind {
+                        Failure::Failed => A::Failed,
+                        Failure::ContractRejected => A::ContractRejected,
+                    };
+                    let others_live = e.attempts.iter().any(|&a| live(a));
+                    if was_unknown
+                        && job.state == J::Unknown
+                        && read(*n) == Some(job.version)
+                        && !others_live
+                    {
+                        e.state = J::Failed;
+                        e.version += 1;
+                    }
+                }
+            }
+            T::AttemptUnknown { n, .. } => {
+                if let Some(i) = at(*n).filter(|&i| e.attempts[i] == A::Started) {
+                    e.attempts[i] = A::Unknown;
+                }
+            }
+            T::MarkUnknown { version } | T::ExpireLease { version } => {
+                if job.state == J::InProgress && *version == job.version {
+                    e.state = J::Unknown;
+                    for a in &mut e.attempts {
+                        if *a == A::Started {
+                            *a = A::Unknown;
+                        }
+                    }
+                }
+            }
+            T::FailRound { version } => {
+                if job.state == J::InProgress
+                    && *version == job.version
+                    && !e.attempts.iter().any(|&a| live(a))
+                {
+                    e.state = J::Failed;
+                    e.version += 1;
+                }
+            }
+            T::Cancel | T::CancelAt { .. } => {
+                if !matches!(job.state, J::Succeeded | J::Failed | J::Cancelled) {
+                    e.state = J::Cancelled;
+                    e.version += 1;
+                    e.completed_by = None;
+                    for a in &mut e.attempts {
+                        if live(*a) {
+                            *a = A::Cancelled;
+                        }
+                    }
+                }
+            }
+            T::Reopen { version, .. } => {
+                if matches!(job.state, J::Failed | J::Cancelled) && *version == job.version {
+                    e.state = J::InProgress;
+                    e.version += 1;
+                }
+            }
+            T::RenewLease { .. } => {}
+            T::BeginStream { n } => {
+                if let Some(i) = at(*n).filter(|&i| live(e.attempts[i])) {
+                    if job.completed_by != Some(*n) {
+                        if may_win(*n) {
+                            e.completed_by = Some(*n);
+                        } else {
+                            e.attempts[i] = A::LostRace;
+                        }
+                    }
+                }
+            }
+            T::EndStream { n, .. } | T::CutStream { n, .. } => {
+                let holds_slot = job.completed_by == Some(*n) && open;
+                if let Some(i) = at(*n).filter(|&i| live(e.attempts[i]) && holds_slot) {
+                    if matches!(transition, T::EndStream { .. }) {
+                        e.attempts[i] = A::Succeeded;
+                        e.state = J::Succeeded;
+                        e.version += 1;
+                    } else {
+                        e.attempts[i] = A::Failed;
+                        e.completed_by = None;
+                        if !e.attempts.iter().any(|&a| live(a)) {
+                            e.state = J::Failed;
+                            e.version += 1;
+                        }
+                    }
+                }
+            }
+        }
+        e
+    }
+
+    /// The store's job after the transition, as the reference expects it.
+    pub fn check(before: &JobRecord, transition: &T, store: &JobRecord) -> Result<(), String> {
+        let expected = after(before, transition);
+        let got = Expected {
+            state: store.job.state,
+            version: store.job.version,
+            completed_by: store.job.completed_by,
+            attempts: store.attempts.iter().map(|a| a.state).collect(),
+        };
+        if got == expected {
+            Ok(())
+        } else {
+            Err(format!(
+                "{transition:?}: SPEC §2 expects {expected:?}, the store holds {got:?}"
+            ))
+        }
+    }
 }
