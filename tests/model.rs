@@ -818,18 +818,18 @@ mod reference {
     use idemgate::job::{AttemptState as A, Failure, JobRecord, JobState as J, Transition as T};
 
     #[derive(Debug, PartialEq, Eq)]
-    pub struct Expected {
-        pub state: J,
-        pub version: u64,
-        pub completed_by: Option<u32>,
-        pub attempts: Vec<A>,
+    pub(crate) struct Expected {
+        pub(crate) state: J,
+        pub(crate) version: u64,
+        pub(crate) completed_by: Option<u32>,
+        pub(crate) attempts: Vec<A>,
     }
 
     fn live(a: A) -> bool {
         matches!(a, A::Started | A::Unknown)
     }
 
-    pub fn after(before: &JobRecord, transition: &T) -> Expected {
+    pub(crate) fn after(before: &JobRecord, transition: &T) -> Expected {
         let job = &before.job;
         let mut e = Expected {
             state: job.state,
@@ -965,7 +965,7 @@ mod reference {
     }
 
     /// The store's job after the transition, as the reference expects it.
-    pub fn check(before: &JobRecord, transition: &T, store: &JobRecord) -> Result<(), String> {
+    pub(crate) fn check(before: &JobRecord, transition: &T, store: &JobRecord) -> Result<(), String> {
         let expected = after(before, transition);
         let got = Expected {
             state: store.job.state,
