@@ -21,6 +21,9 @@
 //! 6. Every attempt belongs to exactly one job: ordinals are 1, 2, … with no gaps, and a
 //!    winner's fencing token is the version it completed (`read_version + 1`).
 //!
+//! Now and then two transitions of one job are sent at once (`Op::Race`): the store's result
+//! must be one of the two orders, each step of it lawful.
+//!
 //! Every step is also checked against `reference`, SPEC §2 written as a small table of its
 //! own (not `JobRecord::apply`): a rule bug that the store and the crate's model would share
 //! is caught there. Histories also run through a store that loses replies (`tests/faults`),
@@ -117,11 +120,65 @@ enum Op {
     },
     /// The clock moves past retention: every settled job may expire.
     Later,
+    /// Two transitions of one job sent at once, as two gateways (or a round and a late
+    /// answer) would: the store must serialise them in one order or the other.
+    Race(Box<Op>, Box<Op>),
+}
+
+/// A transition of the same job as `op` (a racer for it), when `op` is a transition.
+fn transition_op(rng: &mut fastrand::Rng, op: &Op) -> Option<Op> {
+    let job = match op {
+        Op::Start { job, .. }
+        | Op::Complete { job, .. }
+        | Op::Fail { job, .. }
+        | Op::AttemptUnknown { job, .. }
+        | Op::MarkUnknown { job, .. }
+        | Op::FailRound { job, .. }
+        | Op::Cancel { job }
+        | Op::Reopen { job, .. }
+        | Op::BeginStream { job, .. }
+        | Op::EndStream { job, .. }
+        | Op::CutStream { job, .. } => *job,
+        _ => return None,
+    };
+    let attempt = rng.usize(0..4);
+    Some(match rng.u8(0..7) {
+        0 => Op::Complete {
+            job,
+            attempt,
+            body: rng.u8(0..255),
+        },
+        1 => Op::Fail {
+            job,
+            attempt,
+            contract: false,
+        },
+        2 => Op::Cancel { job },
+        3 => Op::MarkUnknown { job, stale: false },
+        4 => Op::Start {
+            job,
+            provider: rng.u8(0..3),
+            stale: false,
+        },
+        5 => Op::BeginStream { job, attempt },
+        _ => Op::Reopen { job, stale: false },
+    })
 }
 
 fn generate(rng: &mut fastrand::Rng) -> Vec<Op> {
     let mut ops = Vec::with_capacity(STEPS);
     for _ in 0..rng.usize(1..=STEPS) {
+        // Now and then the last transition races the next one of the same job.
+        if rng.u8(0..10) == 0 {
+            if let Some(last) = ops.pop() {
+                let other = transition_op(rng, &last);
+                ops.push(match other {
+                    Some(other) => Op::Race(Box::new(last), Box::new(other)),
+                    None => last,
+                });
+                continue;
+            }
+        }
         let job = rng.usize(0..6);
         let attempt = rng.usize(0..4);
         let op = match rng.u32(0..100) {
@@ -338,7 +395,7 @@ impl Runner {
     fn transition(&self, op: &Op) -> Option<(String, Transition)> {
         let pick = |job: usize| self.ids.get(job % self.ids.len().max(1)).cloned();
         let id = match op {
-            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later => return None,
+            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later | Op::Race(..) => return None,
             Op::Start { job, .. }
             | Op::Complete { job, .. }
             | Op::Fail { job, .. }
@@ -420,7 +477,7 @@ impl Runner {
                 n: n(attempt),
                 error: "cut".into(),
             },
-            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later => return None,
+            Op::Claim { .. } | Op::ClaimRace { .. } | Op::Later | Op::Race(..) => return None,
         };
         if record.attempts.is_empty()
             && matches!(
@@ -458,6 +515,7 @@ impl Runner {
                 self.now += POLICY.retention + POLICY.late_result_window + Duration::from_secs(1);
                 return Ok(());
             }
+            Op::Race(ref a, ref b) => return self.race(a, b).await,
             _ => {}
         }
         let Some((id, transition)) = self.transition(op) else {
@@ -471,14 +529,7 @@ impl Runner {
         let expected = model.apply(transition.clone(), self.now, &POLICY);
         // A store that blipped is retried, as the engine does: with a lost reply, the retry
         // must be recognised as already applied, or store and model part ways.
-        let mut tries = 0;
-        let applied = loop {
-            match self.store.apply(&id, transition.clone(), self.now).await {
-                Ok(applied) => break applied,
-                Err(_) if tries < 20 => tries += 1,
-                Err(e) => return Err(e.to_string()),
-            }
-        };
+        let applied = apply_retrying(&*self.store, &id, &transition, self.now).await?;
         if applied.outcome != expected {
             return Err(format!(
                 "the store answered {:?}, the model {expected:?}",
@@ -494,6 +545,78 @@ impl Runner {
             &applied.outcome,
             self.histories.get_mut(&id).unwrap(),
         )
+    }
+}
+
+impl Runner {
+    /// Two transitions of one job at once: the store's result must be one of the two
+    /// orders, each step of it lawful by the reference and the invariants.
+    async fn race(&mut self, a: &Op, b: &Op) -> Result<(), String> {
+        let (Some((id, ta)), Some((id_b, tb))) = (self.transition(a), self.transition(b)) else {
+            return Ok(());
+        };
+        let before = self
+            .model
+            .jobs
+            .get(&id)
+            .expect("picked from the model")
+            .clone();
+        if id != id_b || before.is_expired(self.now) {
+            return Ok(());
+        }
+        let (store, now) = (self.store.clone(), self.now);
+        let (ra, rb) = tokio::join!(
+            apply_retrying(&*store, &id, &ta, now),
+            apply_retrying(&*store, &id, &tb, now)
+        );
+        let (ra, rb) = (ra?, rb?);
+        let after = store
+            .get(&id)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("the raced job vanished")?;
+        // Which order did the store take? Replay both on the model.
+        for (first, second, out_first, out_second) in [
+            (&ta, &tb, &ra.outcome, &rb.outcome),
+            (&tb, &ta, &rb.outcome, &ra.outcome),
+        ] {
+            let mut model = before.clone();
+            let e1 = model.apply(first.clone(), now, &POLICY);
+            let middle = model.clone();
+            let e2 = model.apply(second.clone(), now, &POLICY);
+            if &e1 != out_first || &e2 != out_second || check_same(&after, &model).is_err() {
+                continue;
+            }
+            reference::check(&before, first, &middle)?;
+            reference::check(&middle, second, &after)?;
+            let history = self.histories.get_mut(&id).unwrap();
+            check_invariants(&before, &middle, first, out_first, history)?;
+            check_invariants(&middle, &after, second, out_second, history)?;
+            self.model.jobs.insert(id, model);
+            return Ok(());
+        }
+        Err(format!(
+            "a race of {ta:?} and {tb:?} left {:?} v{} (answers {:?}, {:?}): neither order gives that",
+            after.job.state, after.job.version, ra.outcome, rb.outcome
+        ))
+    }
+}
+
+/// Applies a transition, retrying a store that blipped as the engine does: with a lost
+/// reply, the retry must be recognised as already applied, or store and model part ways.
+async fn apply_retrying(
+    store: &dyn JobStore,
+    id: &str,
+    transition: &Transition,
+    now: SystemTime,
+) -> Result<idemgate::store::Applied, String> {
+    let mut tries = 0;
+    loop {
+        match store.apply(id, transition.clone(), now).await {
+            Ok(applied) => return Ok(applied),
+            Err(_) if tries < 20 => tries += 1,
+            Err(e) => return Err(e.to_string()),
+        }
     }
 }
 
@@ -663,6 +786,7 @@ where
     let seeds = seeds(default);
     let mut steps = 0;
     let mut fired = Vec::new();
+    let mut races = 0;
     for &seed in &seeds {
         let (store, _guard) = open(seed).await;
         let store = match faults {
@@ -684,6 +808,7 @@ where
             log: Vec::new(),
         };
         for op in &ops {
+            races += usize::from(matches!(op, Op::Race(..)));
             runner.log.push(format!("{op:?}"));
             if let Err(why) = runner.step(op).await {
                 runner.fail(seed, name, why);
@@ -692,7 +817,7 @@ where
         }
     }
     println!(
-        "model {name}: {} histories, {steps} steps, {:.1?}",
+        "model {name}: {} histories, {steps} steps ({races} of them two transitions at once), {:.1?}",
         seeds.len(),
         started.elapsed()
     );
@@ -965,7 +1090,11 @@ mod reference {
     }
 
     /// The store's job after the transition, as the reference expects it.
-    pub(crate) fn check(before: &JobRecord, transition: &T, store: &JobRecord) -> Result<(), String> {
+    pub(crate) fn check(
+        before: &JobRecord,
+        transition: &T,
+        store: &JobRecord,
+    ) -> Result<(), String> {
         let expected = after(before, transition);
         let got = Expected {
             state: store.job.state,
