@@ -329,8 +329,12 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
     let upstream = Upstream::with_transport(Arc::new(Providers {
         world: world.clone(),
     }));
+    // Gateway 0 reaches the store through a layer of its own that may crash it at one of
+    // its writes, before or after the write: over the seed range, every write a gateway
+    // makes on the way of a job (claim, start, settle, renew, sweep) is a crash point.
+    let crashing = faults::Faulty::scripted(faulty.clone(), &[]);
     let gateways = [
-        Engine::new(config.clone(), faulty.clone(), upstream.clone()),
+        Engine::new(config.clone(), crashing.clone(), upstream.clone()),
         Engine::new(config.clone(), faulty.clone(), upstream),
     ];
     let crashed = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -424,7 +428,26 @@ async fn simulate(seed: u64) -> Result<Vec<String>, String> {
             }
         }));
     }
-    // Maybe a crash of gateway 0 mid-run.
+    // Maybe a crash of gateway 0 at one of its writes, or at a moment in time.
+    if world.rng(|r| r.u8(0..3)) == 1 {
+        let (at, after_write) = world.rng(|r| (r.u64(0..20), r.bool()));
+        let (gateway, world, crashed) =
+            (Arc::downgrade(&gateways[0]), world.clone(), crashed.clone());
+        crashing.crash_at(faults::CrashPoint {
+            at,
+            after_write,
+            crash: Box::new(move || {
+                crashed.store(true, Ordering::SeqCst);
+                if let Some(gateway) = gateway.upgrade() {
+                    gateway.crash();
+                }
+                world.trace(format!(
+                    "gateway 0 crashed at its write {at} ({} the write)",
+                    if after_write { "after" } else { "before" }
+                ));
+            }),
+        });
+    }
     if world.rng(|r| r.u8(0..3)) == 0 {
         let (gateway, world, crashed) = (gateways[0].clone(), world.clone(), crashed.clone());
         let at = Duration::from_millis(world.rng(|r| r.u64(500..6000)));
@@ -587,6 +610,7 @@ fn simulated_gateways_keep_the_protocol_and_replay_exactly() {
     #[allow(clippy::disallowed_methods)]
     let started = std::time::Instant::now();
     let mut responses = 0;
+    let mut crash_points = std::collections::BTreeSet::new();
     for &seed in &seeds {
         let first = run(seed).unwrap_or_else(|why| {
             panic!("seed {seed}: {why}\nrerun: SIM_SEED={seed} cargo test --test simulation")
@@ -594,10 +618,17 @@ fn simulated_gateways_keep_the_protocol_and_replay_exactly() {
         let again = run(seed).unwrap_or_else(|why| panic!("seed {seed} (second run): {why}"));
         assert_eq!(first, again, "seed {seed} did not replay exactly");
         responses += first.len();
+        crash_points.extend(
+            first
+                .iter()
+                .filter_map(|line| line.split("crashed at its write ").nth(1))
+                .map(str::to_owned),
+        );
     }
     println!(
-        "simulation: {} seeds (each run twice), {responses} trace lines, {:.1?}",
+        "simulation: {} seeds (each run twice), {responses} trace lines, {} distinct write crash points, {:.1?}",
         seeds.len(),
+        crash_points.len(),
         started.elapsed()
     );
 }

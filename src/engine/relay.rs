@@ -98,17 +98,39 @@ impl AttemptTask {
                 }
             }
         };
-        live.recording.finish(end.clone());
         if let Some(renew) = renew {
             renew.abort();
         }
+        // The job is settled before the client's body ends: a client that read a complete
+        // answer finds it stored on its retry, even if this process dies right after. If the
+        // settle cannot be written, the body ends abnormally instead — its job will turn
+        // unknown, and the client must not take the answer for a settled one.
+        let recorded = match &self.job_id {
+            None => true,
+            Some(id) => self.settle_stream(id, n, provider, &live, &end).await,
+        };
+        live.recording.finish(match (&end, recorded) {
+            (Ok(()), false) => Err("the answer could not be recorded".into()),
+            _ => end,
+        });
         if let Some(mirror) = mirror {
-            // The mirror's end marker goes out before the job settles, so a follower that
-            // sees the job settled has also seen every chunk.
             let _ = mirror.await;
         }
-        let Some(id) = &self.job_id else { return };
-        let transition = match &end {
+        if let Some(id) = &self.job_id {
+            self.engine.streams.remove(id);
+        }
+    }
+
+    /// Settles the job with the stream's end; whether that was written.
+    async fn settle_stream(
+        &self,
+        id: &str,
+        n: u32,
+        provider: &Provider,
+        live: &LiveStream,
+        end: &Result<(), String>,
+    ) -> bool {
+        let transition = match end {
             Ok(()) => Transition::EndStream {
                 n,
                 response: live.stored(),
@@ -125,17 +147,24 @@ impl AttemptTask {
             Ok(Applied {
                 outcome: Ok(Effect::Won),
                 ..
-            }) => self.engine.metrics.attempt(&provider.name, "succeeded"),
+            }) => {
+                self.engine.metrics.attempt(&provider.name, "succeeded");
+                true
+            }
             Ok(Applied {
                 outcome: Ok(Effect::AttemptFailed { .. }),
                 ..
-            }) => self.engine.metrics.attempt(&provider.name, "failed"),
-            Ok(_) => {}
+            }) => {
+                self.engine.metrics.attempt(&provider.name, "failed");
+                true
+            }
+            // Cancelled while it streamed: the recording is dropped.
+            Ok(_) => false,
             Err(e) => {
-                warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse")
+                warn!(job_id = %id, attempt = n, error = %e, "could not settle the stream; its lease will lapse");
+                false
             }
         }
-        self.engine.streams.remove(id);
     }
 }
 

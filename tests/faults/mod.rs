@@ -43,10 +43,30 @@ pub struct Fired {
     pub hang: AtomicU64,
 }
 
+/// Where a simulated gateway dies: at its `at`-th write through this store, before the
+/// write reaches the store or just after it (its reply never read).
+pub struct CrashPoint {
+    pub at: u64,
+    pub after_write: bool,
+    pub crash: Box<dyn Fn() + Send + Sync>,
+}
+
+impl std::fmt::Debug for CrashPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CrashPoint({}, after_write: {})",
+            self.at, self.after_write
+        )
+    }
+}
+
 #[derive(Debug)]
 pub struct Faulty {
     inner: Arc<dyn JobStore>,
     plan: Mutex<Plan>,
+    crash: Mutex<Option<CrashPoint>>,
+    writes: AtomicU64,
     /// Whether claims meet faults too (transitions always do).
     claims: bool,
     pub fired: Fired,
@@ -59,8 +79,15 @@ impl Faulty {
             inner,
             plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
             claims: true,
+            crash: Mutex::new(None),
+            writes: AtomicU64::new(0),
             fired: Fired::default(),
         })
+    }
+
+    /// Crashes the gateway using this store at one of its writes.
+    pub fn crash_at(&self, point: CrashPoint) {
+        *self.crash.lock().unwrap() = Some(point);
     }
 
     /// Random faults at `per_mille` of the transitions (and of the claims, with `claims`),
@@ -74,6 +101,8 @@ impl Faulty {
                 per_mille,
             }),
             claims,
+            crash: Mutex::new(None),
+            writes: AtomicU64::new(0),
             fired: Fired::default(),
         })
     }
@@ -103,6 +132,24 @@ impl Faulty {
         op: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let lost = |what: &str| StoreError::unavailable("injected fault", what.to_owned());
+        let write = self.writes.fetch_add(1, Ordering::Relaxed);
+        let crash = {
+            let mut point = self.crash.lock().unwrap();
+            if point.as_ref().is_some_and(|p| p.at == write) {
+                point.take()
+            } else {
+                None
+            }
+        };
+        if let Some(point) = crash {
+            // The process dies here: its tasks stop at their next await, and whoever was
+            // waiting for this write (a client of the dead gateway) sees its connection go.
+            if point.after_write {
+                let _ = op.await;
+            }
+            (point.crash)();
+            return Err(lost("the gateway crashed"));
+        }
         match self.next() {
             None => op.await,
             Some(Fault::ErrorBefore) => {
