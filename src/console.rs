@@ -90,9 +90,10 @@ pub fn render_job(view: &Value) -> String {
     let _ = writeln!(out, "\n  timeline: 0 .. {span} ms");
     let winner = job["completed_by"].as_u64();
     for (a, (start, end)) in attempts.iter().zip(&spans) {
-        let from = ((start - first) * WIDTH as u128 / span) as usize;
+        // At least one column each, the last starting no later than the last column.
+        let from = (((start - first) * WIDTH as u128 / span) as usize).min(WIDTH - 1);
         let to = ((end.unwrap_or(last) - first) * WIDTH as u128 / span) as usize;
-        let to = to.clamp(from + 1, WIDTH);
+        let to = to.max(from + 1).min(WIDTH);
         let fill = if end.is_some() { '#' } else { '>' };
         let bar: String = (0..WIDTH)
             .map(|i| if i >= from && i < to { fill } else { '.' })
@@ -161,6 +162,24 @@ pub fn render_list(page: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attempt_that_starts_at_the_end_still_gets_a_column() {
+        let view = serde_json::json!({
+            "job": {"id": "job_1", "state": "succeeded", "version": 2, "completed_by": 2},
+            "attempts": [
+                {"n": 1, "provider": "p", "state": "failed",
+                 "started_at": "2026-01-01T00:00:00.000Z", "finished_at": "2026-01-01T00:00:00.010Z"},
+                {"n": 2, "provider": "f", "state": "succeeded",
+                 "started_at": "2026-01-01T00:00:00.010Z", "finished_at": "2026-01-01T00:00:00.010Z"}
+            ]
+        });
+        let text = render_job(&view);
+        assert!(
+            text.lines().any(|l| l.contains("#2") && l.contains("#|")),
+            "{text}"
+        );
+    }
 
     #[test]
     fn a_job_s_story_is_a_table_and_a_timeline() {
