@@ -14,6 +14,7 @@
 //! - `relay`: an attempt whose answer is a stream — relayed live, recorded, mirrored.
 
 mod attempt;
+mod background;
 mod relay;
 mod round;
 
@@ -167,7 +168,7 @@ impl Engine {
         });
         if tokio::runtime::Handle::try_current().is_ok() {
             let stopping = engine.stopping.clone();
-            let sweep = sweep_leases(Arc::downgrade(&engine));
+            let sweep = background::sweep_leases(Arc::downgrade(&engine));
             engine.spawn(async move { stopping.run_until_cancelled(sweep).await });
             // A provider of a route with a probe is probed while its breaker is open.
             let mut probed = Vec::new();
@@ -176,8 +177,11 @@ impl Engine {
                     if !probed.contains(&index) {
                         probed.push(index);
                         let stopping = engine.stopping.clone();
-                        let prober =
-                            probe_open_breaker(Arc::downgrade(&engine), index, route.clone());
+                        let prober = background::probe_open_breaker(
+                            Arc::downgrade(&engine),
+                            index,
+                            route.clone(),
+                        );
                         engine.spawn(async move { stopping.run_until_cancelled(prober).await });
                     }
                 }
@@ -572,78 +576,6 @@ impl Engine {
 
     fn lock_rounds(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, u64>> {
         self.rounds.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// While provider `index`'s breaker is open, sends `route`'s probe to it every cool-down: a
-/// pass closes the breaker, so a recovered provider is back in use within about one
-/// cool-down of its recovery without real traffic paying for the test; a failure re-opens
-/// it with a doubled cool-down. Ends when the engine is dropped or stopped.
-async fn probe_open_breaker(engine: std::sync::Weak<Engine>, index: usize, route: Arc<Route>) {
-    loop {
-        let Some(strong) = engine.upgrade() else {
-            return;
-        };
-        let Some(at) = strong.breakers.due(index) else {
-            // Closed: wait for a breaker to open (re-checking now and then).
-            let opened = strong.breakers.opened();
-            let _ = tokio::time::timeout(Duration::from_secs(1), opened).await;
-            continue;
-        };
-        drop(strong);
-        tokio::time::sleep_until(at).await;
-        let Some(engine) = engine.upgrade() else {
-            return;
-        };
-        if engine.breakers.due(index) != Some(at) {
-            continue;
-        }
-        let problem =
-            crate::probe::probe_provider(&engine.config, &engine.upstream, &route, index).await;
-        debug!(provider = %engine.config.provider(index).name, ?problem, "probed an open breaker");
-        engine.breakers.record_probe(index, problem);
-    }
-}
-
-/// The lease sweep (SPEC §4): jobs whose gateway died mid-round are moved to `unknown` by the
-/// next request that sees them — and by this sweep when none comes, within `lease` + 10 s,
-/// so operators see crash orphans in `GET /jobs?state=unknown` and the gauge. Ends when the
-/// engine is dropped or stopped.
-async fn sweep_leases(engine: std::sync::Weak<Engine>) {
-    let every = match engine.upgrade() {
-        Some(engine) => (engine.config.idempotency.lease / 2).min(Duration::from_secs(5)),
-        None => return,
-    };
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(engine) = engine.upgrade() else {
-            return;
-        };
-        let lapsed = match engine.store.lapsed_leases(crate::clock::now(), 100).await {
-            Ok(lapsed) => lapsed,
-            Err(e) => {
-                warn!(error = %e, "lease sweep: cannot list in-progress jobs");
-                continue;
-            }
-        };
-        for (id, version) in lapsed {
-            // A job of this very gateway is renewed by its round: never expired from here.
-            if engine.lock_rounds().contains_key(&id) {
-                continue;
-            }
-            match engine.apply(&id, Transition::ExpireLease { version }).await {
-                Ok(Applied { outcome: Ok(_), .. }) => {
-                    engine.metrics.lease_expired();
-                    warn!(job_id = %id, "job's lease lapsed (its gateway stopped); the sweep marked it unknown");
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    warn!(job_id = %id, error = %e, "lease sweep: cannot mark the job unknown")
-                }
-            }
-        }
     }
 }
 
