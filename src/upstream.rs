@@ -230,7 +230,7 @@ pub struct ClientRequest {
     pub headers: HeaderMap,
     pub body: Bytes,
     /// The client's credential headers, kept from providers that use their own.
-    pub credentials: Vec<HeaderName>,
+    pub credentials: Arc<[HeaderName]>,
 }
 
 impl ClientRequest {
@@ -253,7 +253,7 @@ impl ClientRequest {
             path_and_query,
             headers,
             body,
-            credentials: Vec::new(),
+            credentials: Arc::new([]),
         }
     }
 

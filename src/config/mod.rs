@@ -105,24 +105,27 @@ pub struct IdempotencyConfig {
     pub fingerprint_ignore: Vec<IgnoredPointer>,
     /// At most this many timed-out calls are kept waiting for a late answer at once.
     pub late_result_max: usize,
+    /// The client headers that carry credentials, the owner header among them: never sent
+    /// to a provider unless it forwards client credentials (SPEC §11). Worked out once
+    /// here, shared by every request.
+    pub credential_headers: Arc<[HeaderName]>,
 }
 
 impl IdempotencyConfig {
-    /// The client headers that carry credentials, the owner header among them: never sent
-    /// to a provider unless it forwards client credentials (SPEC §11).
-    pub fn credential_headers(&self) -> Vec<HeaderName> {
+    /// The credential headers for an owner mode.
+    pub(crate) fn credential_headers_for(owner: &OwnerMode) -> Arc<[HeaderName]> {
         let mut names = vec![
             http::header::AUTHORIZATION,
             http::header::PROXY_AUTHORIZATION,
             HeaderName::from_static("x-api-key"),
             HeaderName::from_static("api-key"),
         ];
-        if let OwnerMode::Header(name) = &self.owner {
+        if let OwnerMode::Header(name) = owner {
             if !names.contains(name) {
                 names.push(name.clone());
             }
         }
-        names
+        names.into()
     }
 }
 

@@ -311,6 +311,7 @@ impl Validator<'_> {
         if lease < Duration::from_millis(100) {
             self.bad("idempotency.lease", "must be at least 100ms");
         }
+        let credential_headers = IdempotencyConfig::credential_headers_for(&owner);
         IdempotencyConfig {
             header,
             owner,
@@ -333,6 +334,7 @@ impl Validator<'_> {
             ),
             fingerprint_ignore,
             late_result_max: self.count("idempotency.late_result_max", raw.late_result_max, 1024),
+            credential_headers,
         }
     }
 

@@ -208,7 +208,7 @@ impl Gateway {
             bytes,
             &idem.header,
         );
-        request.credentials = idem.credential_headers();
+        request.credentials = idem.credential_headers.clone();
         let submission = Submission {
             route,
             owner,

@@ -31,7 +31,7 @@ pub(super) async fn pass_through(
     crate::upstream::set_provider_headers(
         &mut headers,
         provider,
-        &config.idempotency.credential_headers(),
+        &config.idempotency.credential_headers,
     );
     let (body, body_late) = body.into_body();
     let mut request = Request::new(body);
