@@ -202,6 +202,8 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
         .enable_all()
         .build()
         .expect("the tokio runtime starts");
+    #[cfg(feature = "profile")]
+    let _profile = profile::Sampler::start();
     match runtime.block_on(idemgate::run(config, shutdown_signal())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -225,4 +227,39 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// The bench-only sampler: `IDEMGATE_PROFILE=<file.svg>` samples every thread at 499 Hz
+/// (SIGPROF: user and system time alike) and writes a flamegraph when the gateway stops.
+#[cfg(feature = "profile")]
+mod profile {
+    pub(crate) struct Sampler {
+        guard: pprof::ProfilerGuard<'static>,
+        path: std::path::PathBuf,
+    }
+
+    impl Sampler {
+        pub(crate) fn start() -> Option<Self> {
+            let path = std::env::var_os("IDEMGATE_PROFILE")?.into();
+            let guard = pprof::ProfilerGuardBuilder::default()
+                .frequency(499)
+                .blocklist(&["libc", "libgcc", "pthread", "vdso"])
+                .build()
+                .ok()?;
+            Some(Self { guard, path })
+        }
+    }
+
+    impl Drop for Sampler {
+        fn drop(&mut self) {
+            let written = self.guard.report().build().map(|report| {
+                std::fs::File::create(&self.path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|file| report.flamegraph(file).map_err(|e| e.to_string()))
+            });
+            if let Ok(Err(e)) | Err(e) = written.map_err(|e| e.to_string()) {
+                eprintln!("idemgate: profile not written: {e}");
+            }
+        }
+    }
 }

@@ -78,6 +78,7 @@ pub enum StoreKind {
     Embedded,
     Memory,
     Redis,
+    Postgres,
 }
 
 #[derive(Clone, Debug)]

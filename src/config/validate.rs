@@ -215,10 +215,11 @@ impl Validator<'_> {
             "embedded" => StoreKind::Embedded,
             "memory" => StoreKind::Memory,
             "redis" => StoreKind::Redis,
+            "postgres" => StoreKind::Postgres,
             other => {
                 self.bad(
                     "store.kind",
-                    format!("{other:?} is not one of \"embedded\", \"memory\", \"redis\""),
+                    format!("{other:?} is not one of \"embedded\", \"memory\", \"redis\", \"postgres\""),
                 );
                 StoreKind::Memory
             }
@@ -244,6 +245,20 @@ impl Validator<'_> {
         };
         if kind == StoreKind::Redis && urls.is_empty() {
             self.bad("store.url", "required when store.kind = \"redis\"");
+        }
+        if kind == StoreKind::Postgres {
+            match urls.as_slice() {
+                [] => self.bad("store.url", "required when store.kind = \"postgres\""),
+                [url] if url.starts_with("postgres://") || url.starts_with("postgresql://") => {}
+                [_] => self.bad(
+                    "store.url",
+                    "must be a postgres:// or postgresql:// URL when store.kind = \"postgres\"",
+                ),
+                _ => self.bad("store.url", "one database only when store.kind = \"postgres\""),
+            }
+            if raw.pool_size == Some(0) {
+                self.bad("store.pool_size", "must be greater than 0");
+            }
         }
         StoreConfig {
             kind,

@@ -287,7 +287,7 @@ impl Round {
             events: self.events.clone(),
         };
         // Its own span, not the request's: an attempt may outlive the request that started it.
-        let span = tracing::info_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
+        let span = tracing::debug_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
         let late = self.engine.late_slot();
         let held = late.clone();
         let task = self.engine.spawn(tracing::Instrument::instrument(

@@ -80,6 +80,23 @@ impl JobState {
     }
 }
 
+impl std::str::FromStr for JobState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [
+            Self::InProgress,
+            Self::Succeeded,
+            Self::Failed,
+            Self::Unknown,
+            Self::Cancelled,
+        ]
+        .into_iter()
+        .find(|state| state.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not a job state"))
+    }
+}
+
 impl fmt::Display for JobState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -100,9 +117,40 @@ pub enum AttemptState {
 }
 
 impl AttemptState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Unknown => "unknown",
+            Self::LostRace => "lost_race",
+            Self::ContractRejected => "contract_rejected",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
     /// An attempt that may still produce an answer: its upstream call may be alive.
     pub fn is_live(self) -> bool {
         matches!(self, Self::Started | Self::Unknown)
+    }
+}
+
+impl std::str::FromStr for AttemptState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [
+            Self::Started,
+            Self::Succeeded,
+            Self::Failed,
+            Self::Unknown,
+            Self::LostRace,
+            Self::ContractRejected,
+            Self::Cancelled,
+        ]
+        .into_iter()
+        .find(|state| state.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not an attempt state"))
     }
 }
 

@@ -3,9 +3,12 @@
 //!
 //! One `std::sync::Mutex` guards everything: every critical section is a hash lookup plus a
 //! pure transition, never held across an `.await`, so a finer-grained scheme would buy
-//! nothing measurable next to a provider round trip.
+//! nothing measurable next to a provider round trip. Nothing scans the whole map under that
+//! lock: the in-progress and unknown jobs and the expiry order are kept as indexes, so the
+//! lease sweep, the listings and the expiry sweep cost what they find, not what is stored
+//! (a scan of 100 000 jobs every few seconds stalled every request behind it).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -26,13 +29,83 @@ struct State {
     /// (owner, key) → job id: the identity index the claim is atomic over.
     by_key: HashMap<(String, String), JobId>,
     jobs: HashMap<JobId, JobRecord>,
+    in_progress: BTreeSet<JobId>,
+    unknown: BTreeSet<JobId>,
+    /// (expires_at, id), soonest first: the expiry sweep takes from the front.
+    expiry: BTreeSet<(SystemTime, JobId)>,
+}
+
+/// What the indexes know of a record.
+#[derive(Clone, Copy, PartialEq)]
+struct Indexed {
+    state: JobState,
+    expires_at: SystemTime,
+}
+
+impl Indexed {
+    fn of(record: &JobRecord) -> Self {
+        Self {
+            state: record.job.state,
+            expires_at: record.job.expires_at,
+        }
+    }
 }
 
 impl State {
+    fn insert(&mut self, record: JobRecord) {
+        let id = record.job.id.clone();
+        self.by_key.insert(
+            (record.job.owner.clone(), record.job.key.clone()),
+            id.clone(),
+        );
+        self.reindex(&id, None, Some(Indexed::of(&record)));
+        self.jobs.insert(id, record);
+    }
+
     fn remove(&mut self, id: &str) {
         if let Some(record) = self.jobs.remove(id) {
+            self.reindex(id, Some(Indexed::of(&record)), None);
             self.by_key.remove(&(record.job.owner, record.job.key));
         }
+    }
+
+    fn reindex(&mut self, id: &str, old: Option<Indexed>, new: Option<Indexed>) {
+        if old == new {
+            return;
+        }
+        if let Some(old) = old {
+            self.state_index(old.state).map(|set| set.remove(id));
+            self.expiry.remove(&(old.expires_at, id.to_owned()));
+        }
+        if let Some(new) = new {
+            self.state_index(new.state)
+                .map(|set| set.insert(id.to_owned()));
+            self.expiry.insert((new.expires_at, id.to_owned()));
+        }
+    }
+
+    fn state_index(&mut self, state: JobState) -> Option<&mut BTreeSet<JobId>> {
+        match state {
+            JobState::InProgress => Some(&mut self.in_progress),
+            JobState::Unknown => Some(&mut self.unknown),
+            _ => None,
+        }
+    }
+
+    /// Removes jobs past their expiry; at most `limit`, so one sweep never holds the lock
+    /// for long.
+    fn expire(&mut self, now: SystemTime, limit: usize) -> usize {
+        let expired: Vec<JobId> = self
+            .expiry
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(limit)
+            .map(|(_, id)| id.clone())
+            .collect();
+        for id in &expired {
+            self.remove(id);
+        }
+        expired.len()
     }
 }
 
@@ -54,19 +127,22 @@ impl MemoryStore {
         }
     }
 
-    /// Ids of jobs in `state`, in id order, after `after`, at most `limit`.
+    /// Ids of jobs in `state` (in progress or unknown), in id order, after `after`, at most
+    /// `limit`.
     fn in_state(&self, state: JobState, after: Option<&str>, limit: usize) -> Vec<JobId> {
-        let mut ids: Vec<JobId> = self
-            .lock()
-            .jobs
-            .values()
-            .filter(|r| r.job.state == state)
-            .map(|r| r.job.id.clone())
-            .filter(|id| after.is_none_or(|after| id.as_str() > after))
-            .collect();
-        ids.sort_unstable();
-        ids.truncate(limit);
-        ids
+        let mut guard = self.lock();
+        let Some(index) = guard.state_index(state) else {
+            return Vec::new();
+        };
+        let from = match after {
+            Some(after) => std::ops::Bound::Excluded(after.to_owned()),
+            None => std::ops::Bound::Unbounded,
+        };
+        index
+            .range((from, std::ops::Bound::Unbounded))
+            .take(limit)
+            .cloned()
+            .collect()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -81,16 +157,17 @@ async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
     loop {
         tick.tick().await;
         let Some(state) = state.upgrade() else { return };
-        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-        let now = crate::clock::now();
-        let expired: Vec<JobId> = state
-            .jobs
-            .iter()
-            .filter(|(_, record)| record.is_expired(now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
-            state.remove(&id);
+        // In slices of 1000 with the lock let go in between, so requests interleave.
+        loop {
+            let now = crate::clock::now();
+            let removed = state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .expire(now, 1000);
+            if removed < 1000 {
+                break;
+            }
+            tokio::task::yield_now().await;
         }
     }
 }
@@ -109,8 +186,7 @@ impl JobStore for MemoryStore {
                 ClaimRule::Replace | ClaimRule::Create => state.remove(&id),
             }
         }
-        state.by_key.insert(index, record.job.id.clone());
-        state.jobs.insert(record.job.id.clone(), record.clone());
+        state.insert(record.clone());
         Ok(Claim::Created(record))
     }
 
@@ -129,8 +205,10 @@ impl JobStore for MemoryStore {
             .jobs
             .get_mut(id)
             .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let before = Indexed::of(record);
         let outcome = record.apply(transition, now, &self.policy);
         let record = record.clone();
+        state.reindex(id, Some(before), Some(Indexed::of(&record)));
         drop(state);
         if outcome.is_ok() {
             self.changed.of(id).notify_waiters();
@@ -165,16 +243,16 @@ impl JobStore for MemoryStore {
         now: SystemTime,
         limit: usize,
     ) -> Result<Vec<(JobId, u64)>, StoreError> {
+        // In-progress jobs are the ones running now: few, whatever is stored.
         let state = self.lock();
-        let mut lapsed: Vec<(JobId, u64)> = state
-            .jobs
-            .values()
-            .filter(|r| r.job.state == JobState::InProgress && r.job.lease_until <= now)
+        Ok(state
+            .in_progress
+            .iter()
+            .filter_map(|id| state.jobs.get(id))
+            .filter(|r| r.job.lease_until <= now)
             .map(|r| (r.job.id.clone(), r.job.version))
-            .collect();
-        lapsed.sort_unstable();
-        lapsed.truncate(limit);
-        Ok(lapsed)
+            .take(limit)
+            .collect())
     }
 
     async fn in_progress_jobs(
@@ -194,7 +272,58 @@ impl JobStore for MemoryStore {
             .cloned())
     }
 
+    async fn count_unknown(&self) -> Result<usize, StoreError> {
+        Ok(self.lock().unknown.len())
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: ExpiryPolicy = ExpiryPolicy {
+        retention: Duration::from_secs(60),
+        late_result_window: Duration::from_secs(30),
+    };
+
+    fn record(n: usize, now: SystemTime) -> JobRecord {
+        JobRecord::new(
+            format!("job_{n:06}"),
+            "owner".into(),
+            format!("key-{n}"),
+            "fp".into(),
+            "chat".into(),
+            now,
+            now + Duration::from_secs(30),
+            &POLICY,
+        )
+    }
+
+    #[test]
+    fn expiry_takes_only_what_is_due_in_bounded_slices() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let mut state = State::default();
+        for n in 0..2500 {
+            state.insert(record(n, t0));
+        }
+        let late = t0 + Duration::from_secs(3600);
+        state.insert(record(9999, late));
+        assert_eq!(state.in_progress.len(), 2501);
+
+        // Past the first jobs' retention + late window, before the last one's.
+        let at = t0 + Duration::from_secs(1800);
+        assert_eq!(state.expire(at, 1000), 1000);
+        assert_eq!(state.expire(at, 1000), 1000);
+        assert_eq!(state.expire(at, 1000), 500);
+        // The one job that expires later is still there, in every index.
+        assert_eq!(state.expire(at, 1000), 0);
+        assert_eq!(state.jobs.len(), 1);
+        assert_eq!(state.by_key.len(), 1);
+        assert_eq!(state.in_progress.len(), 1);
+        assert_eq!(state.expiry.len(), 1);
     }
 }

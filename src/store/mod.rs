@@ -16,6 +16,7 @@ use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Tr
 
 pub mod embedded;
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 pub mod timed;
 
@@ -189,6 +190,13 @@ impl Changes {
         }
     }
 
+    /// Wakes every waiter: after notifications may have been lost.
+    pub(crate) fn wake_all(&self) {
+        for shard in self.shards.iter() {
+            shard.notify_waiters();
+        }
+    }
+
     pub(crate) fn of(&self, id: &str) -> &tokio::sync::Notify {
         // FNV-1a: cheap, and spreads job ids well enough over the shards.
         let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
@@ -252,5 +260,8 @@ pub async fn open(
             policy,
         )?)),
         StoreKind::Redis => Ok(Arc::new(redis::RedisStore::open(config, policy).await?)),
+        StoreKind::Postgres => Ok(Arc::new(
+            postgres::PostgresStore::open(config, policy).await?,
+        )),
     }
 }

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# The gateway's cost against nginx proxying the same provider, side by side in one run.
+#
+#     benches/overhead.sh            # about 3 minutes
+#     DURATION=4 benches/overhead.sh # shorter runs per row
+#
+# A hyper provider answers the chat fixture at once (examples/mock_provider.rs). Each row
+# drives one system with wrk (1 thread; 32 connections for throughput, CPU and p99; one
+# connection for the added p50). The proxy under test runs on core 1, wrk and the provider
+# on core 0; CPU per request is the proxy's utime + stime from /proc/PID/stat over the c32
+# run divided by the requests wrk completed. nginx and wrk come from Debian's packages and
+# are installed when missing; nginx runs with a private config, never as the system service.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION="${DURATION:-8}"
+C1_DURATION="${C1_DURATION:-4}"
+STORES="${STORES:-memory embedded redis}"
+
+need() {
+  command -v "$1" >/dev/null && return
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
+need wrk wrk
+need nginx nginx
+need redis-server redis-server
+
+cargo build -q --release --bin idemgate --example mock_provider
+target_dir="${CARGO_TARGET_DIR:-target}"
+gateway_bin="$target_dir/release/idemgate"
+provider_bin="$target_dir/release/examples/mock_provider"
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+wait_port() {
+  for _ in $(seq 1 200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nothing listens on $1" >&2
+  return 1
+}
+cpu_ticks() {
+  # utime + stime of the process and its waited-for children, in clock ticks.
+  awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"
+}
+hz="$(getconf CLK_TCK)"
+
+export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
+
+provider_port="$(free_port)"
+taskset -c 0 "$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
+pids+=($!)
+wait_port "$provider_port"
+
+# wrk against $1 with KEY_MODE=$2 and $3 connections for $4 seconds; prints the RESULT line.
+run_wrk() {
+  KEY_MODE="$2" KEY_PREFIX="$RANDOM$RANDOM-$3" taskset -c 0 \
+    wrk -t1 -c"$3" -d"$4s" -s benches/wrk.lua "$1" | grep '^RESULT'
+}
+field() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$2"; }
+
+rows=()
+# measure NAME URL KEY_MODE PID: a warm-up, the c32 run with CPU accounting, the c1 run.
+measure() {
+  local name="$1" url="$2" mode="$3" pid="$4"
+  local before after c32 c1 warm
+  warm="$(run_wrk "$url" "$mode" 32 2)"
+  before="$(cpu_ticks "$pid")"
+  c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
+  after="$(cpu_ticks "$pid")"
+  c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
+  local requests cpu
+  requests="$(field requests "$c32")"
+  measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
+  cpu="$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')"
+  rows+=("$name|$cpu|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")")
+  echo "measured: $name" >&2
+}
+
+# The provider alone: the denominator of "req/s vs direct" and of the added p50.
+measure "provider, direct" "http://127.0.0.1:$provider_port/v1/chat/completions" none "${pids[0]}"
+
+# nginx: plain proxy_pass with upstream keepalive, one worker on core 1.
+nginx_port="$(free_port)"
+mkdir -p "$work/nginx"
+cat >"$work/nginx/nginx.conf" <<CONF
+worker_processes 1;
+worker_cpu_affinity 10;
+daemon off;
+master_process off;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx/body;
+  proxy_temp_path $work/nginx/proxy;
+  upstream provider { server 127.0.0.1:$provider_port; keepalive 64; }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://provider;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+CONF
+taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
+pids+=($!)
+nginx_pid=$!
+wait_port "$nginx_port"
+measure "nginx proxy_pass (no idempotency)" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
+kill "$nginx_pid"
+
+redis_port=""
+if [[ " $STORES " == *" redis "* ]]; then
+  redis_port="$(free_port)"
+  taskset -c 0 redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --daemonize no --logfile "$work/redis.log" &
+  pids+=($!)
+  wait_port "$redis_port"
+fi
+
+for store in $STORES; do
+  case "$store" in
+    memory) table='kind = "memory"' ;;
+    embedded) table="kind = \"embedded\"
+path = \"$work/idemgate-$RANDOM.db\"" ;;
+    redis) table="kind = \"redis\"
+url = \"redis://127.0.0.1:$redis_port\"" ;;
+    *) echo "unknown store $store" >&2; exit 2 ;;
+  esac
+  port="$(free_port)"
+  cat >"$work/$store.toml" <<CONF
+[server]
+listen = "127.0.0.1:$port"
+[store]
+$table
+[[providers]]
+name = "p"
+base_url = "http://127.0.0.1:$provider_port"
+[[routes]]
+name = "chat"
+path_prefix = "/v1"
+providers = ["p"]
+CONF
+  RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store.toml" >"$work/$store.log" 2>&1 &
+  gw=$!
+  pids+=($gw)
+  wait_port "$port"
+  rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
+  measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  if [[ "$store" == memory ]]; then
+    rss_after="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
+    memory_note="memory store: $(( (rss_after - rss_before) * 1024 / measured_total )) bytes of RSS per stored job ($measured_total jobs, $(wc -c < tests/fixtures/openai-chat-completion.json)-byte answer)"
+  fi
+  if [[ "$store" == memory ]]; then
+    measure "idemgate, replay, $store" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+  fi
+  kill "$gw"
+  wait "$gw" 2>/dev/null || true
+done
+
+awk -F'|' -v direct="${rows[0]}" -v nginx="${rows[1]}" '
+BEGIN {
+  split(direct, d, "|"); split(nginx, n, "|")
+  printf "%-38s %10s %9s %10s %10s %12s %9s %7s\n", "system", "CPU µs/req", "× nginx", "req/s", "p99 @c32", "added p50@c1", "× direct", "errors"
+}
+{
+  added = $5 - d[5]
+  printf "%-38s %10.1f %9.2f %10.0f %8.1fms %+10dµs %9.2f %7d\n", $1, $2, ($2 / n[2]), $3, $4 / 1000, added, $3 / d[3], $6
+}' < <(printf '%s\n' "${rows[@]}")
+[[ -n "${memory_note:-}" ]] && echo "$memory_note"
