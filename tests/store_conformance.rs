@@ -1,5 +1,6 @@
 //! The store conformance suite, run against every store: memory, embedded, Redis standalone
-//! and a 3-master Redis Cluster (real `redis-server` processes the harness starts itself).
+//! a 3-master Redis Cluster (real `redis-server` processes the harness starts itself) and
+//! PostgreSQL (a real server from `initdb`, a fresh database per case).
 
 mod common;
 mod conformance;
@@ -11,6 +12,7 @@ use common::redis_server::{RedisCluster, RedisServer};
 use idemgate::config::{StoreConfig, StoreKind};
 use idemgate::store::embedded::EmbeddedStore;
 use idemgate::store::memory::MemoryStore;
+use idemgate::store::postgres::PostgresStore;
 use idemgate::store::redis::RedisStore;
 use idemgate::store::JobStore;
 
@@ -55,4 +57,25 @@ conformance_suite!(redis_cluster, || async {
         .await
         .unwrap();
     (Arc::new(store) as Arc<dyn JobStore>, cluster)
+});
+
+fn postgres_config(url: String) -> StoreConfig {
+    StoreConfig {
+        kind: StoreKind::Postgres,
+        path: Default::default(),
+        urls: vec![url],
+        cluster: false,
+        key_prefix: String::new(),
+        pool_size: Some(8),
+        wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
+    }
+}
+
+conformance_suite!(postgres, || async {
+    let url = common::pg_server::shared().database().await;
+    let store = PostgresStore::open(&postgres_config(url), conformance::POLICY)
+        .await
+        .unwrap();
+    (Arc::new(store) as Arc<dyn JobStore>, ())
 });
