@@ -935,6 +935,38 @@ async fn histories_on_a_redis_cluster() {
     .await;
 }
 
+fn postgres_config(url: String) -> StoreConfig {
+    StoreConfig {
+        kind: StoreKind::Postgres,
+        path: Default::default(),
+        urls: vec![url],
+        cluster: false,
+        key_prefix: String::new(),
+        pool_size: Some(4),
+        wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
+    }
+}
+
+/// A fresh database per history, on the test binary's own PostgreSQL server.
+async fn postgres_store() -> (Arc<dyn JobStore>, ()) {
+    let url = common::pg_server::shared().database().await;
+    let store = idemgate::store::postgres::PostgresStore::open(&postgres_config(url), POLICY)
+        .await
+        .unwrap();
+    (Arc::new(store) as Arc<dyn JobStore>, ())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_postgres() {
+    run("postgres", 60, |_| postgres_store()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_on_a_postgres_that_loses_replies() {
+    run_faulty("postgres, faulty", 40, |_| postgres_store()).await;
+}
+
 /// An independent reference of SPEC §2, written as the spec states it rather than as
 /// `JobRecord::apply` computes it: from a job as it was and one transition, the job state,
 /// version, winner and attempt states that must follow. A transition that does not apply

@@ -219,7 +219,9 @@ impl Validator<'_> {
             other => {
                 self.bad(
                     "store.kind",
-                    format!("{other:?} is not one of \"embedded\", \"memory\", \"redis\", \"postgres\""),
+                    format!(
+                        "{other:?} is not one of \"embedded\", \"memory\", \"redis\", \"postgres\""
+                    ),
                 );
                 StoreKind::Memory
             }
@@ -254,7 +256,10 @@ impl Validator<'_> {
                     "store.url",
                     "must be a postgres:// or postgresql:// URL when store.kind = \"postgres\"",
                 ),
-                _ => self.bad("store.url", "one database only when store.kind = \"postgres\""),
+                _ => self.bad(
+                    "store.url",
+                    "one database only when store.kind = \"postgres\"",
+                ),
             }
             if raw.pool_size == Some(0) {
                 self.bad("store.pool_size", "must be greater than 0");

@@ -92,7 +92,16 @@ impl PgServer {
         }
         let mut initdb = as_server_user(&binary("initdb"));
         initdb
-            .args(["-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync", "-D"])
+            .args([
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "-D",
+            ])
             .arg(dir.join("data"));
         run(initdb, "initdb");
         Self {
@@ -146,9 +155,10 @@ impl PgServer {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let (client, connection) = tokio_postgres::connect(&self.url("postgres"), tokio_postgres::NoTls)
-            .await
-            .expect("the test server answers");
+        let (client, connection) =
+            tokio_postgres::connect(&self.url("postgres"), tokio_postgres::NoTls)
+                .await
+                .expect("the test server answers");
         let driver = tokio::spawn(connection);
         client
             .batch_execute(&format!("CREATE DATABASE {name}"))

@@ -37,6 +37,7 @@ pub mod schema;
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -73,6 +74,8 @@ pub struct PostgresStore {
     policy: ExpiryPolicy,
     changed: Arc<Changes>,
     cache: Mutex<HashMap<JobId, (i64, JobRecord)>>,
+    statements: AtomicU64,
+    lost_writes: AtomicU64,
     /// Ends the listener and the sweep with the store.
     _stop: tokio_util::sync::DropGuard,
 }
@@ -144,12 +147,28 @@ impl PostgresStore {
             policy,
             changed,
             cache: Mutex::new(HashMap::new()),
+            statements: AtomicU64::new(0),
+            lost_writes: AtomicU64::new(0),
             _stop: stop.drop_guard(),
         })
     }
 
+    /// A pooled connection for one statement, counted.
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.statements.fetch_add(1, Ordering::Relaxed);
         self.pool.get().await.map_err(unavailable)
+    }
+
+    /// Statements sent to the database so far (each on one pooled connection, one round
+    /// trip once prepared).
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
+    }
+
+    /// Writes whose `UPDATE` matched zero rows: someone else wrote the job first, and the
+    /// transition was recomputed on what they wrote.
+    pub fn lost_writes(&self) -> u64 {
+        self.lost_writes.load(Ordering::Relaxed)
     }
 
     fn cached(&self, id: &str) -> Option<(i64, JobRecord)> {
@@ -187,7 +206,10 @@ impl PostgresStore {
             .prepare_cached(&select_record("j.id = $1"))
             .await
             .map_err(unavailable)?;
-        let rows = client.query(&statement, &[&id]).await.map_err(unavailable)?;
+        let rows = client
+            .query(&statement, &[&id])
+            .await
+            .map_err(unavailable)?;
         record_of(&rows)
     }
 
@@ -448,6 +470,9 @@ impl JobStore for PostgresStore {
                     record: next,
                 });
             }
+            if matches!(outcome, Ok(_)) {
+                self.lost_writes.fetch_add(1, Ordering::Relaxed);
+            }
             let (current_revision, current) = self.fetch(id).await?.ok_or_else(|| {
                 self.forget(id);
                 StoreError::NotFound(id.to_owned())
@@ -560,21 +585,23 @@ impl JobStore for PostgresStore {
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
         let client = self.client().await?;
-        let (sql, params): (&str, Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>) =
-            match update {
-                StreamUpdate::Head(head) => (
-                    "INSERT INTO stream_heads (job_id, head) VALUES ($1, $2)
+        let (sql, params): (
+            &str,
+            Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>,
+        ) = match update {
+            StreamUpdate::Head(head) => (
+                "INSERT INTO stream_heads (job_id, head) VALUES ($1, $2)
                      ON CONFLICT (job_id) DO UPDATE SET head = excluded.head, ended = NULL,
                          updated_at = now()",
-                    vec![Box::new(id.to_owned()), Box::new(encode(&head))],
-                ),
-                StreamUpdate::Chunks(chunks) => {
-                    if chunks.is_empty() {
-                        return Ok(());
-                    }
-                    let data: Vec<Vec<u8>> = chunks.iter().map(|c| c.to_vec()).collect();
-                    (
-                        "WITH base AS (
+                vec![Box::new(id.to_owned()), Box::new(encode(&head))],
+            ),
+            StreamUpdate::Chunks(chunks) => {
+                if chunks.is_empty() {
+                    return Ok(());
+                }
+                let data: Vec<Vec<u8>> = chunks.iter().map(|c| c.to_vec()).collect();
+                (
+                    "WITH base AS (
                             SELECT coalesce(max(seq) + 1, 0) AS next FROM stream_chunks
                             WHERE job_id = $1
                          ), touched AS (
@@ -583,20 +610,20 @@ impl JobStore for PostgresStore {
                          INSERT INTO stream_chunks (job_id, seq, data)
                          SELECT $1, base.next + t.ord::integer - 1, t.data
                          FROM base, unnest($2::bytea[]) WITH ORDINALITY AS t(data, ord)",
-                        vec![Box::new(id.to_owned()), Box::new(data)],
-                    )
-                }
-                StreamUpdate::End(result) => (
-                    "UPDATE stream_heads SET ended = $2, updated_at = now() WHERE job_id = $1",
-                    vec![
-                        Box::new(id.to_owned()),
-                        Box::new(match result {
-                            Ok(()) => "ok".to_owned(),
-                            Err(reason) => format!("cut:{reason}"),
-                        }),
-                    ],
-                ),
-            };
+                    vec![Box::new(id.to_owned()), Box::new(data)],
+                )
+            }
+            StreamUpdate::End(result) => (
+                "UPDATE stream_heads SET ended = $2, updated_at = now() WHERE job_id = $1",
+                vec![
+                    Box::new(id.to_owned()),
+                    Box::new(match result {
+                        Ok(()) => "ok".to_owned(),
+                        Err(reason) => format!("cut:{reason}"),
+                    }),
+                ],
+            ),
+        };
         let statement = client.prepare_cached(sql).await.map_err(unavailable)?;
         let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params
             .iter()

@@ -36,7 +36,10 @@ pub(super) fn record_of(rows: &[Row]) -> Result<Option<(i64, JobRecord)>, StoreE
     let Some(first) = rows.first() else {
         return Ok(None);
     };
-    let Some(id) = first.try_get::<_, Option<String>>("id").map_err(unavailable)? else {
+    let Some(id) = first
+        .try_get::<_, Option<String>>("id")
+        .map_err(unavailable)?
+    else {
         return Ok(None);
     };
     let state: String = get(first, "state")?;
@@ -126,7 +129,9 @@ impl AttemptColumns {
             columns.read_version.push(a.read_version as i64);
             columns.started_at.push(a.started_at);
             columns.finished_at.push(a.finished_at);
-            columns.upstream_status.push(a.upstream_status.map(i32::from));
+            columns
+                .upstream_status
+                .push(a.upstream_status.map(i32::from));
             columns.error.push(a.error.clone());
         }
         columns

@@ -78,7 +78,9 @@ CREATE TABLE stream_chunks (
 /// Brings the database up to the latest migration; the versions this call applied (none
 /// when another gateway already did).
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, tokio_postgres::Error> {
-    client.execute("SELECT pg_advisory_lock($1)", &[&LOCK]).await?;
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&LOCK])
+        .await?;
     let result = apply_missing(client).await;
     // Released on every path; a dropped connection releases it too.
     let unlocked = client

@@ -1,0 +1,456 @@
+//! Gateways sharing one PostgreSQL database (SPEC §12): one identity per intent across
+//! instances, decided by the unique constraint; one winner by the versioned `UPDATE`;
+//! fail-closed while the database is gone; migrations that run once; the statements a
+//! request costs. Every server here is started by the test harness (`initdb` + `pg_ctl`).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::pg_server::{self, PgServer};
+use common::*;
+use http::Method;
+use idemgate::config::{StoreConfig, StoreKind};
+use idemgate::job::{
+    new_job_id, AttemptState, ExpiryPolicy, JobRecord, StoredResponse, Transition,
+};
+use idemgate::store::postgres::{schema, PostgresStore};
+use idemgate::store::{Claim, JobStore};
+
+const CHAT: &str = "/v1/chat/completions";
+
+const POLICY: ExpiryPolicy = ExpiryPolicy {
+    retention: Duration::from_secs(3600),
+    late_result_window: Duration::from_secs(600),
+};
+
+fn config(url: &str) -> StoreConfig {
+    StoreConfig {
+        kind: StoreKind::Postgres,
+        path: Default::default(),
+        urls: vec![url.to_owned()],
+        cluster: false,
+        key_prefix: String::new(),
+        pool_size: Some(8),
+        wait_replicas: 0,
+        op_timeout: Duration::from_secs(2),
+    }
+}
+
+async fn store(url: &str) -> Arc<PostgresStore> {
+    Arc::new(PostgresStore::open(&config(url), POLICY).await.unwrap())
+}
+
+/// A plain client for reading the tables as an operator would.
+async fn sql(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
+    let url = pg_server::shared().database().await;
+    let mut primary = HeldProvider::start().await;
+    let route = two_provider_config(&primary.url(), "", None, "");
+    let a = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
+    let b = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
+    let mut clicks = Vec::new();
+    for i in 0..50 {
+        let gw = if i % 2 == 0 { a.clone() } else { b.clone() };
+        clicks.push(tokio::spawn(async move {
+            gw.post(CHAT, Some("shared-click"), chat_request()).await
+        }));
+    }
+    let call = primary.next_call().await;
+    primary
+        .assert_no_call_within(Duration::from_millis(300))
+        .await;
+    call.answer(200, fixture("openai-chat-completion.json"));
+    let mut ids = std::collections::HashSet::new();
+    for click in clicks {
+        let reply = click.await.unwrap();
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert_eq!(reply.body, fixture("openai-chat-completion.json"));
+        ids.insert(reply.job_id());
+    }
+    assert_eq!(ids.len(), 1, "one job id across both gateways");
+    assert_eq!(primary.calls(), 1, "one upstream call across both gateways");
+    let rows = sql(&url)
+        .await
+        .query_one("SELECT count(*) FROM jobs", &[])
+        .await
+        .unwrap();
+    assert_eq!(rows.get::<_, i64>(0), 1, "one jobs row");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_race_across_instances_has_one_winner() {
+    let url = pg_server::shared().database().await;
+    let mut primary = HeldProvider::start().await;
+    let mut fallback = HeldProvider::start().await;
+    let route = two_provider_config(
+        &primary.url(),
+        "",
+        Some(&fallback.url()),
+        "hedge_after = \"100ms\"",
+    );
+    let a = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
+    let b = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
+
+    let first = {
+        let a = a.clone();
+        tokio::spawn(async move { a.post(CHAT, Some("k-race"), chat_request()).await })
+    };
+    let primary_call = primary.next_call().await;
+    let fallback_call = fallback.next_call().await;
+    let duplicate = {
+        let b = b.clone();
+        tokio::spawn(async move { b.post(CHAT, Some("k-race"), chat_request()).await })
+    };
+    // Reverse order: the hedge answers first and wins; the primary, though first to
+    // start, loses.
+    fallback_call.answer(200, Bytes::from_static(br#"{"from":"fallback"}"#));
+    let first = first.await.unwrap();
+    let duplicate = duplicate.await.unwrap();
+    assert_eq!(first.body, Bytes::from_static(br#"{"from":"fallback"}"#));
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(duplicate.job_id(), first.job_id());
+
+    primary_call.answer(200, Bytes::from_static(br#"{"from":"primary"}"#));
+    let id = first.job_id();
+    let view = b
+        .job_eventually(&id, |v| v["attempts"][0]["state"] == "lost_race")
+        .await;
+    assert_eq!(view["job"]["completed_by"], 2);
+    let replay = b.post(CHAT, Some("k-race"), chat_request()).await;
+    assert_eq!(replay.body, Bytes::from_static(br#"{"from":"fallback"}"#));
+    assert_eq!((primary.calls(), fallback.calls()), (1, 1));
+    let row = sql(&url)
+        .await
+        .query_one(
+            "SELECT j.completed_by, a.state FROM jobs j JOIN attempts a ON a.job_id = j.id
+             WHERE j.id = $1 AND a.n = 1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<i32>>(0), Some(2));
+    assert_eq!(row.get::<_, String>(1), "lost_race");
+}
+
+fn answer(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"application/json"),
+        )],
+        body: Bytes::from_static(body.as_bytes()),
+        body_omitted: false,
+    }
+}
+
+/// Two gateways each hold the job as they last saw it; the second to finish computes its
+/// win on a stale record, and its `UPDATE … WHERE id AND version AND completed_by IS NULL`
+/// matches zero rows: it re-reads, and its attempt is recorded `lost_race`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_second_finisher_s_update_matches_zero_rows_and_it_loses() {
+    let url = pg_server::shared().database().await;
+    let (a, b) = (store(&url).await, store(&url).await);
+    let now = idemgate::clock::now();
+    let mut record = JobRecord::new(
+        new_job_id("owner", "k"),
+        "owner".into(),
+        "k".into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now + Duration::from_secs(30),
+        &POLICY,
+    );
+    let id = record.job.id.clone();
+    for (n, provider) in [(1, "primary"), (2, "fallback")] {
+        record
+            .apply(
+                Transition::StartAttempt {
+                    version: 1,
+                    n,
+                    provider: provider.into(),
+                },
+                now,
+                &POLICY,
+            )
+            .unwrap();
+    }
+    assert!(matches!(
+        a.claim(record, now).await.unwrap(),
+        Claim::Created(_)
+    ));
+    b.get(&id).await.unwrap().unwrap();
+
+    let won = a
+        .apply(
+            &id,
+            Transition::Complete {
+                n: 2,
+                response: answer("{\"from\":\"fallback\"}"),
+            },
+            now,
+        )
+        .await
+        .unwrap();
+    assert!(won.outcome.is_ok());
+    assert_eq!(won.record.job.completed_by, Some(2));
+
+    let before = b.lost_writes();
+    let lost = b
+        .apply(
+            &id,
+            Transition::Complete {
+                n: 1,
+                response: answer("{\"from\":\"primary\"}"),
+            },
+            now,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        b.lost_writes() - before,
+        1,
+        "the loser's UPDATE matched zero rows"
+    );
+    assert_eq!(lost.record.job.completed_by, Some(2));
+    assert_eq!(lost.record.attempts[0].state, AttemptState::LostRace);
+    assert_eq!(
+        lost.record.job.response.unwrap().body,
+        Bytes::from_static(b"{\"from\":\"fallback\"}"),
+        "the winner's answer is the one stored"
+    );
+    let row = sql(&url)
+        .await
+        .query_one(
+            "SELECT state FROM attempts WHERE job_id = $1 AND n = 1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "lost_race");
+}
+
+/// 100 claims of one (owner, key) at once from two pools: exactly one row, because the
+/// unique constraint refuses the rest — the claim has no check before its insert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unique_constraint_decides_a_claim_race() {
+    let url = pg_server::shared().database().await;
+    let (a, b) = (store(&url).await, store(&url).await);
+    let start = Arc::new(tokio::sync::Barrier::new(100));
+    let mut claims = Vec::new();
+    for i in 0..100 {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let start = start.clone();
+        claims.push(tokio::spawn(async move {
+            let now = idemgate::clock::now();
+            let record = JobRecord::new(
+                new_job_id("owner", "same-key"),
+                "owner".into(),
+                "same-key".into(),
+                "fp".into(),
+                "chat".into(),
+                now,
+                now + Duration::from_secs(30),
+                &POLICY,
+            );
+            start.wait().await;
+            store.claim(record, now).await.unwrap()
+        }));
+    }
+    let mut created = Vec::new();
+    let mut existing = std::collections::HashSet::new();
+    for claim in claims {
+        match claim.await.unwrap() {
+            Claim::Created(r) => created.push(r.job.id),
+            Claim::Existing(r) => {
+                existing.insert(r.job.id);
+            }
+        }
+    }
+    assert_eq!(created.len(), 1, "one claim created the job");
+    assert!(
+        existing.iter().all(|id| *id == created[0]),
+        "the rest found it"
+    );
+    let client = sql(&url).await;
+    let count: i64 = client
+        .query_one(
+            "SELECT count(*) FROM jobs WHERE owner = 'owner' AND idempotency_key = 'same-key'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(count, 1);
+    // The constraint itself, without the gateway: a second row is refused.
+    let refused = client
+        .execute(
+            "INSERT INTO jobs (id, owner, idempotency_key, fingerprint, route, state, version,
+                 created_at, updated_at, expires_at, lease_until, revision)
+             VALUES ('job_other', 'owner', 'same-key', 'fp', 'chat', 'in_progress', 1,
+                 now(), now(), now(), now(), 1)",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_fails_closed_and_traffic_resumes_when_it_is_back() {
+    let server = PgServer::start();
+    let url = server.database().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let gw = TestGateway::start_on(
+        &two_provider_config(&provider.uri(), "", None, ""),
+        store(&url).await,
+    )
+    .await;
+    // Traffic, then the database dies under it.
+    for i in 0..5 {
+        let key = format!("k-before-{i}");
+        assert_eq!(gw.post(CHAT, Some(&key), chat_request()).await.status, 200);
+    }
+    server.kill();
+    for i in 0..5 {
+        let key = format!("k-down-{i}");
+        gw.post(CHAT, Some(&key), chat_request())
+            .await
+            .assert_problem(503, "store-unavailable");
+    }
+    let c = client();
+    let ready = send(
+        &c,
+        Method::GET,
+        &format!("{}/readyz", gw.admin),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(
+        received(&provider).await,
+        5,
+        "no upstream call without a claim"
+    );
+
+    server.restart();
+    // The pool replaces its broken connections by itself; a few bounded tries to notice.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let reply = gw.post(CHAT, Some("k-after"), chat_request()).await;
+        if reply.status == 200 {
+            break;
+        }
+        reply.assert_problem(503, "store-unavailable");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "traffic never resumed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(received(&provider).await, 6);
+    let ready = send(
+        &c,
+        Method::GET,
+        &format!("{}/readyz", gw.admin),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(ready.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_once_and_concurrent_starts_do_not_race() {
+    let server = pg_server::shared();
+    // An empty database: the first start migrates, the second finds nothing to do.
+    let url = server.database().await;
+    let mut client = sql(&url).await;
+    assert_eq!(schema::migrate(&mut client).await.unwrap(), vec![1]);
+    assert_eq!(
+        schema::migrate(&mut client).await.unwrap(),
+        Vec::<i32>::new()
+    );
+    let versions: Vec<i32> = client
+        .query(
+            "SELECT version FROM idemgate_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, vec![1]);
+
+    // Two gateways at once on another empty database: one migrates, the other waits for
+    // the advisory lock and then does nothing.
+    let url = server.database().await;
+    let (mut one, mut two) = (sql(&url).await, sql(&url).await);
+    let (first, second) = tokio::join!(schema::migrate(&mut one), schema::migrate(&mut two));
+    let mut results = vec![first.unwrap(), second.unwrap()];
+    results.sort();
+    assert_eq!(results, vec![Vec::<i32>::new(), vec![1]]);
+    // And two whole stores starting together on a third.
+    let both = config(&server.database().await);
+    let (a, b) = tokio::join!(
+        PostgresStore::open(&both, POLICY),
+        PostgresStore::open(&both, POLICY)
+    );
+    a.unwrap();
+    b.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_job_costs_two_statements_and_a_replay_one() {
+    let url = pg_server::shared().database().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let pg = store(&url).await;
+    let gw = TestGateway::start_on(
+        &two_provider_config(&provider.uri(), "", None, ""),
+        pg.clone() as Arc<dyn JobStore>,
+    )
+    .await;
+    // The first requests prepare the statements on the pooled connections.
+    for i in 0..3 {
+        let key = format!("k-warm-{i}");
+        assert_eq!(gw.post(CHAT, Some(&key), chat_request()).await.status, 200);
+        assert_eq!(gw.post(CHAT, Some(&key), chat_request()).await.status, 200);
+    }
+    let before = pg.statements();
+    let first = gw.post(CHAT, Some("k-count"), chat_request()).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        pg.statements() - before,
+        2,
+        "claim (with attempt 1) and settle"
+    );
+    let before = pg.statements();
+    let replay = gw.post(CHAT, Some("k-count"), chat_request()).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(pg.statements() - before, 1, "a replay is the claim alone");
+}
