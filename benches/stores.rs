@@ -6,12 +6,16 @@
 //! Every request is a new job (a fresh key) answered at once by a local provider, so the
 //! store's claim and settle are the part that differs between rows. The Redis row runs
 //! against a `redis-server` this bench starts on a free port (skipped when none is
-//! installed); replays are measured too, since on Redis they are one round trip.
+//! installed), the PostgreSQL row against a server it makes with `initdb` (fsync on);
+//! replays are measured too, since on Redis and PostgreSQL they are one round trip.
 
 // A bench times real processes on the real clock: paused time has no place here.
 #![allow(clippy::disallowed_methods)]
 
 mod support;
+#[path = "../tests/common/pg_server.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod pg_server;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -137,6 +141,24 @@ fn main() {
                 .unwrap();
             stores.push(("redis", Arc::new(store)));
         }
+        // PostgreSQL from initdb, synced commits as in production; skipped when not installed.
+        let pg_server = std::panic::catch_unwind(pg_server::PgServer::start_durable).ok();
+        if let Some(server) = &pg_server {
+            let config = idemgate::config::StoreConfig {
+                kind: idemgate::config::StoreKind::Postgres,
+                path: Default::default(),
+                urls: vec![server.database().await],
+                cluster: false,
+                key_prefix: String::new(),
+                pool_size: Some(16),
+                wait_replicas: 0,
+                op_timeout: std::time::Duration::from_secs(2),
+            };
+            let store = idemgate::store::postgres::PostgresStore::open(&config, policy)
+                .await
+                .unwrap();
+            stores.push(("postgres", Arc::new(store)));
+        }
         let mut results = Vec::new();
         let mut replays: Vec<(&str, usize, Row)> = Vec::new();
         let mut gateways = Vec::new();
@@ -239,6 +261,7 @@ fn main() {
             let _ = child.kill();
             let _ = child.wait();
         }
+        drop(pg_server);
     });
 }
 

@@ -141,6 +141,29 @@ async fn a_hedged_race_across_instances_has_one_winner() {
         .unwrap();
     assert_eq!(row.get::<_, Option<i32>>(0), Some(2));
     assert_eq!(row.get::<_, String>(1), "lost_race");
+
+    // The README's operator queries run on these tables and see this race.
+    let readme = include_str!("../README.md");
+    let block = readme
+        .split("```sql\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the README has its operator queries");
+    let queries: Vec<&str> = block
+        .split(';')
+        .map(str::trim)
+        .filter(|q| !q.is_empty())
+        .collect();
+    assert_eq!(queries.len(), 3);
+    let client = sql(&url).await;
+    let by_provider = client.query(queries[0], &[]).await.unwrap();
+    assert_eq!(by_provider.len(), 1);
+    assert_eq!(by_provider[0].get::<_, String>("provider"), "fallback");
+    assert_eq!(by_provider[0].get::<_, i64>("jobs"), 1);
+    assert!(client.query(queries[1], &[]).await.unwrap().is_empty());
+    let rate = client.query(queries[2], &[]).await.unwrap();
+    assert_eq!(rate[0].get::<_, String>("route"), "chat");
+    assert_eq!(rate[0].get::<_, i64>("jobs"), 1);
 }
 
 fn answer(body: &'static str) -> StoredResponse {
@@ -422,7 +445,7 @@ async fn migrations_run_once_and_concurrent_starts_do_not_race() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_job_costs_two_statements_and_a_replay_one() {
+async fn a_new_job_costs_two_statements_and_a_notify_and_a_replay_one() {
     let url = pg_server::shared().database().await;
     let provider = wiremock::MockServer::start().await;
     wiremock::Mock::given(wiremock::matchers::method("POST"))
@@ -446,8 +469,8 @@ async fn a_new_job_costs_two_statements_and_a_replay_one() {
     assert_eq!(first.status, 200);
     assert_eq!(
         pg.statements() - before,
-        2,
-        "claim (with attempt 1) and settle"
+        3,
+        "claim (with attempt 1), settle, and the NOTIFY after it"
     );
     let before = pg.statements();
     let replay = gw.post(CHAT, Some("k-count"), chat_request()).await;

@@ -15,6 +15,8 @@ pub struct PgServer {
     pub port: u16,
     dir: PathBuf,
     owned: bool,
+    /// fsync on (a benchmark's server); tests run without it.
+    durable: bool,
 }
 
 /// Where Debian keeps the server binaries (not on PATH), else PATH.
@@ -74,6 +76,14 @@ impl PgServer {
         server
     }
 
+    /// Like [`PgServer::start`], with every commit synced to disk as in production.
+    pub fn start_durable() -> Self {
+        let mut server = Self::init(true);
+        server.durable = true;
+        server.start_process();
+        server
+    }
+
     fn init(owned: bool) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("idemgate-pg-")
@@ -108,6 +118,7 @@ impl PgServer {
             port: free_port(),
             dir,
             owned,
+            durable: false,
         }
     }
 
@@ -120,9 +131,10 @@ impl PgServer {
             .arg(self.dir.join("log"))
             .arg("-o")
             .arg(format!(
-                "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300",
+                "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync={} -c max_connections=300",
                 self.port,
-                self.dir.display()
+                self.dir.display(),
+                if self.durable { "on" } else { "off" }
             ))
             .arg("start");
         run(pg_ctl, "pg_ctl start");
@@ -207,13 +219,15 @@ pub fn shared() -> &'static PgServer {
             data = server.dir.join("data").display(),
             dir = server.dir.display(),
         );
-        Command::new("setsid")
-            .args(["sh", "-c", &script])
+        // `setsid -f` forks the watchdog off and returns at once.
+        let started = Command::new("setsid")
+            .args(["-f", "sh", "-c", &script])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()
+            .status()
             .expect("the watchdog starts");
+        assert!(started.success(), "the watchdog starts");
         server
     })
 }

@@ -9,15 +9,16 @@
 //! every write) and written by one statement: a data-modifying CTE whose `UPDATE jobs …
 //! WHERE id = $1 AND revision = $2` — plus `AND version = $read_version AND completed_by IS
 //! NULL` when the transition takes the result slot, the compare-and-swap of SPEC §2 — gates
-//! the attempts upsert, the answer insert and the `pg_notify` that wakes waiters. Zero rows
+//! the attempts upsert and the answer insert. Zero rows
 //! updated means someone else wrote first: the record is read again and the transition
 //! recomputed on it, so a late finisher's `Complete` becomes its `lost_race`.
 //!
 //! The claim is one statement too: `INSERT … ON CONFLICT (owner, idempotency_key) DO
 //! NOTHING` with the first attempts, and, when it inserted nothing, the existing job read in
 //! the same statement. Statements per request on the happy path (prepared once per
-//! connection): a new job, 2 (claim with its first attempt, then the completion); a replay,
-//! 1 (the claim that finds the job and its answer).
+//! connection): a new job, 2 (claim with its first attempt, then the completion) and a
+//! `NOTIFY` after it that the request does not wait for; a replay, 1 (the claim that finds
+//! the job and its answer).
 //!
 //! # Why deadpool-postgres
 //!
@@ -28,9 +29,10 @@
 //!
 //! # Waiters
 //!
-//! Every write notifies channel `idemgate_jobs` with `"<job id> <version>"`; each gateway
-//! holds one connection that `LISTEN`s on it and wakes the waiters of that job. A lost
-//! notification (the listening connection broke) costs at most the fallback poll.
+//! Every write that changes a job's version or state notifies channel `idemgate_jobs` with
+//! `"<job id> <version>"` once it has committed; each gateway holds one connection that
+//! `LISTEN`s on it and wakes the waiters of that job. A lost notification (the listening
+//! connection broke) costs at most the fallback poll.
 
 mod rows;
 pub mod schema;
@@ -199,6 +201,35 @@ impl PostgresStore {
             .remove(id);
     }
 
+    /// Wakes the job's waiters: at once on this gateway, and on the others by a `NOTIFY`
+    /// sent after the write committed, in a statement of its own that nobody waits for. A
+    /// `NOTIFY` inside the write would hold PostgreSQL's notify lock across the commit's
+    /// WAL flush and serialise every writing transaction (measured with pgbench at 16
+    /// clients: 7 812 inserts/s alone, 2 612 with the notify inside, 6 238 with it after).
+    fn announce(&self, id: &str, version: u64) {
+        self.changed.of(id).notify_waiters();
+        self.statements.fetch_add(1, Ordering::Relaxed);
+        let pool = self.pool.clone();
+        let payload = format!("{id} {version}");
+        tokio::spawn(async move {
+            let sent = async {
+                let client = pool.get().await.map_err(unavailable)?;
+                let statement = client
+                    .prepare_cached("SELECT pg_notify($1, $2)")
+                    .await
+                    .map_err(unavailable)?;
+                client
+                    .execute(&statement, &[&CHANNEL, &payload])
+                    .await
+                    .map_err(unavailable)
+            };
+            if let Err(e) = sent.await {
+                // Waiters elsewhere re-read within the fallback poll.
+                tracing::debug!(error = %e, "could not notify a job change");
+            }
+        });
+    }
+
     /// The job `id` with its answer and revision.
     async fn fetch(&self, id: &str) -> Result<Option<(i64, JobRecord)>, StoreError> {
         let client = self.client().await?;
@@ -316,10 +347,8 @@ impl PostgresStore {
                     INSERT INTO responses (job_id, status, headers, body, body_omitted)
                     SELECT $1, $18, $19, $20, $21 FROM j WHERE $18::integer IS NOT NULL
                     ON CONFLICT (job_id) DO NOTHING
-                ), woken AS (
-                    SELECT pg_notify($22, $1 || ' ' || $4) FROM j
                 )
-                SELECT revision, (SELECT count(*) FROM woken) AS woken FROM j",
+                SELECT revision FROM j",
             )
             .await
             .map_err(unavailable)?;
@@ -360,7 +389,6 @@ impl PostgresStore {
                     &response.map(|r| encode(&r.headers)),
                     &response.map(|r| r.body.as_ref()),
                     &response.map(|r| r.body_omitted),
-                    &CHANNEL,
                 ],
             )
             .await
@@ -459,6 +487,9 @@ impl JobStore for PostgresStore {
             };
             if let Some(new_revision) = written {
                 self.remember(new_revision, next.clone());
+                if (next.job.version, next.job.state) != (record.job.version, record.job.state) {
+                    self.announce(id, next.job.version);
+                }
                 if next.job.response.is_none() && next.job.state == JobState::Succeeded {
                     // The answer was stored by an earlier transition: read it back.
                     if let Some((_, full)) = self.fetch(id).await? {
@@ -470,7 +501,7 @@ impl JobStore for PostgresStore {
                     record: next,
                 });
             }
-            if matches!(outcome, Ok(_)) {
+            if outcome.is_ok() {
                 self.lost_writes.fetch_add(1, Ordering::Relaxed);
             }
             let (current_revision, current) = self.fetch(id).await?.ok_or_else(|| {
