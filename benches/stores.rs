@@ -12,10 +12,10 @@
 // A bench times real processes on the real clock: paused time has no place here.
 #![allow(clippy::disallowed_methods)]
 
-mod support;
 #[path = "../tests/common/pg_server.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod pg_server;
+mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -224,7 +224,7 @@ fn main() {
                 .find(|(n, c, ..)| *n == "memory" && c == concurrency)
                 .unwrap()
                 .2;
-            let per_commit = if *commits > 0 {
+            let per_commit = if *name == "embedded" && *commits > 0 {
                 format!("{:.1}", (2 * REQUESTS) as f64 / *commits as f64)
             } else {
                 "-".into()

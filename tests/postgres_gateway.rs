@@ -6,7 +6,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use common::pg_server::{self, PgServer};
@@ -476,4 +476,64 @@ async fn a_new_job_costs_two_statements_and_a_notify_and_a_replay_one() {
     let replay = gw.post(CHAT, Some("k-count"), chat_request()).await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(pg.statements() - before, 1, "a replay is the claim alone");
+}
+
+/// PostgreSQL keeps microseconds; a re-open is recognised by its exact lease instant. A
+/// re-open whose reply was lost and that is retried through a gateway that never saw it
+/// (nothing cached) is still recognised as already applied: no second round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_reopen_is_recognised_to_the_nanosecond_on_another_gateway() {
+    let url = pg_server::shared().database().await;
+    let (a, b) = (store(&url).await, store(&url).await);
+    let now = idemgate::clock::now();
+    let mut record = JobRecord::new(
+        new_job_id("owner", "reopen"),
+        "owner".into(),
+        "reopen".into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now + Duration::from_secs(30),
+        &POLICY,
+    );
+    let id = record.job.id.clone();
+    record
+        .apply(
+            Transition::StartAttempt {
+                version: 1,
+                n: 1,
+                provider: "primary".into(),
+            },
+            now,
+            &POLICY,
+        )
+        .unwrap();
+    a.claim(record, now).await.unwrap();
+    let fail = Transition::FailAttempt {
+        n: 1,
+        kind: idemgate::job::Failure::Failed,
+        upstream_status: Some(503),
+        error: None,
+    };
+    a.apply(&id, fail, now).await.unwrap().outcome.unwrap();
+    a.apply(&id, Transition::FailRound { version: 1 }, now)
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
+    let reopen = Transition::Reopen {
+        version: 2,
+        // An instant with nanoseconds below the microsecond.
+        lease_until: SystemTime::UNIX_EPOCH + Duration::new(4_000_000_000, 123_456_789),
+    };
+    let first = a.apply(&id, reopen.clone(), now).await.unwrap();
+    assert!(first.outcome.is_ok());
+    assert_eq!(first.record.job.version, 3);
+    let retried = b.apply(&id, reopen, now).await.unwrap();
+    assert_eq!(
+        retried.outcome, first.outcome,
+        "the retry is the same re-open, already applied"
+    );
+    assert_eq!(retried.record.job.version, 3, "no second round");
+    assert_eq!(retried.record.job.lease_until, first.record.job.lease_until);
 }

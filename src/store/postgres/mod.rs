@@ -47,7 +47,7 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 
-use self::rows::{record_of, select_record, AttemptColumns};
+use self::rows::{record_of, select_record, sub_micros, AttemptColumns};
 use super::{
     decode, encode, Applied, Changes, Claim, JobStore, MirroredStream, StoreError, StreamHead,
     StreamUpdate,
@@ -256,8 +256,8 @@ impl PostgresStore {
             "WITH ins AS (
                 INSERT INTO jobs (id, owner, idempotency_key, fingerprint, route, state,
                     version, completed_by, created_at, updated_at, expires_at, lease_until,
-                    revision)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 1)
+                    lease_until_ns, revision)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $21, 1)
                 ON CONFLICT (owner, idempotency_key) DO NOTHING
                 RETURNING id
             ), att AS (
@@ -299,6 +299,7 @@ impl PostgresStore {
                     &a.finished_at,
                     &a.upstream_status,
                     &a.error,
+                    &sub_micros(job.lease_until),
                 ],
             )
             .await
@@ -329,7 +330,7 @@ impl PostgresStore {
                 "WITH j AS (
                     UPDATE jobs SET state = $3, version = $4, completed_by = $5,
                         updated_at = $6, expires_at = $7, lease_until = $8,
-                        revision = revision + 1
+                        lease_until_ns = $22, revision = revision + 1
                     WHERE id = $1 AND revision = $2
                       AND ($9::bigint IS NULL OR (version = $9 AND completed_by IS NULL))
                     RETURNING revision
@@ -389,6 +390,7 @@ impl PostgresStore {
                     &response.map(|r| encode(&r.headers)),
                     &response.map(|r| r.body.as_ref()),
                     &response.map(|r| r.body_omitted),
+                    &sub_micros(job.lease_until),
                 ],
             )
             .await

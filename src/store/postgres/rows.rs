@@ -13,7 +13,8 @@ use crate::store::{decode, StoreError};
 /// in attempt order. `{where}` selects the job.
 pub(super) const SELECT_RECORD: &str = "
 SELECT j.id, j.owner, j.idempotency_key, j.fingerprint, j.route, j.state, j.version,
-       j.completed_by, j.created_at, j.updated_at, j.expires_at, j.lease_until, j.revision,
+       j.completed_by, j.created_at, j.updated_at, j.expires_at, j.lease_until,
+       j.lease_until_ns, j.revision,
        r.status AS r_status, r.headers AS r_headers, r.body AS r_body,
        r.body_omitted AS r_body_omitted,
        a.n AS a_n, a.provider AS a_provider, a.state AS a_state,
@@ -66,7 +67,8 @@ pub(super) fn record_of(rows: &[Row]) -> Result<Option<(i64, JobRecord)>, StoreE
         created_at: get(first, "created_at")?,
         updated_at: get(first, "updated_at")?,
         expires_at: get(first, "expires_at")?,
-        lease_until: get(first, "lease_until")?,
+        lease_until: get::<SystemTime>(first, "lease_until")?
+            + std::time::Duration::from_nanos(unsigned(get::<i32>(first, "lease_until_ns")?)?),
         response,
     };
     let mut attempts = Vec::new();
@@ -104,6 +106,12 @@ where
     T::Error: std::error::Error + Send + Sync + 'static,
 {
     T::try_from(value.into()).map_err(unavailable)
+}
+
+/// The nanoseconds of `t` below its microsecond, which `timestamptz` does not keep.
+pub(super) fn sub_micros(t: SystemTime) -> i32 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| (d.subsec_nanos() % 1000) as i32)
 }
 
 /// Attempts as the column arrays `unnest` takes, in the order of the attempts table.

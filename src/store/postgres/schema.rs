@@ -27,6 +27,9 @@ CREATE TABLE jobs (
     updated_at      timestamptz NOT NULL,
     expires_at      timestamptz NOT NULL,
     lease_until     timestamptz NOT NULL,
+    -- The nanoseconds below lease_until's microsecond: a retried re-open recognises itself
+    -- by its exact lease instant.
+    lease_until_ns  integer     NOT NULL DEFAULT 0,
     revision        bigint      NOT NULL,
     UNIQUE (owner, idempotency_key)
 );
