@@ -537,3 +537,79 @@ async fn a_retried_reopen_is_recognised_to_the_nanosecond_on_another_gateway() {
     assert_eq!(retried.record.job.version, 3, "no second round");
     assert_eq!(retried.record.job.lease_until, first.record.job.lease_until);
 }
+
+/// Reads replies of the load until `count` of them had status `want`; every other reply is
+/// a 200 or a 503 `store-unavailable`.
+async fn seen(replies: &mut tokio::sync::mpsc::UnboundedReceiver<Reply>, want: u16, count: usize) {
+    let mut got = 0;
+    while got < count {
+        let reply = bounded("replies", replies.recv()).await.expect("load runs");
+        if reply.status != 200 {
+            reply.assert_problem(503, "store-unavailable");
+        }
+        got += usize::from(reply.status == want);
+    }
+}
+
+/// The database killed under a steady load and started again: requests in the outage are
+/// refused with 503 `store-unavailable`, the load resumes by itself, and every call a
+/// provider received is an attempt the database recorded — none went out unclaimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_under_load_no_call_goes_out_unclaimed() {
+    let server = PgServer::start();
+    let url = server.database().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let gw = Arc::new(
+        TestGateway::start_on(
+            &two_provider_config(&provider.uri(), "", None, ""),
+            store(&url).await,
+        )
+        .await,
+    );
+    let (tx, mut replies) = tokio::sync::mpsc::unbounded_channel();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let (gw, tx, stop) = (gw.clone(), tx.clone(), stop.clone());
+        load.push(tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.is_cancelled() {
+                let key = format!("load-{worker}-{i}");
+                let reply = gw.post(CHAT, Some(&key), chat_request()).await;
+                let _ = tx.send(reply);
+                i += 1;
+            }
+        }));
+    }
+    drop(tx);
+    // Some traffic, then the kill; some refusals, then the restart; then traffic again.
+    seen(&mut replies, 200, 20).await;
+    server.kill();
+    seen(&mut replies, 503, 20).await;
+    server.restart();
+    seen(&mut replies, 200, 20).await;
+    stop.cancel();
+    for worker in load {
+        worker.await.unwrap();
+    }
+    while let Some(reply) = replies.recv().await {
+        if reply.status != 200 {
+            reply.assert_problem(503, "store-unavailable");
+        }
+    }
+    let attempts: i64 = sql(&url)
+        .await
+        .query_one("SELECT count(*) FROM attempts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        received(&provider).await as i64,
+        attempts,
+        "every provider call is a recorded attempt"
+    );
+}
