@@ -5,6 +5,13 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc rather than the system allocator: a request allocates and frees many small
+/// buffers across tasks, and glibc's malloc spent about a sixth of a new job's CPU time
+/// in its own bookkeeping (consolidation, unlinking, growing a thread's heap with
+/// `mprotect`) in the in-process profile of `benches/overhead.sh`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "idemgate",
@@ -243,18 +250,57 @@ mod profile {
             let path = std::env::var_os("IDEMGATE_PROFILE")?.into();
             let guard = pprof::ProfilerGuardBuilder::default()
                 .frequency(499)
-                .blocklist(&["libc", "libgcc", "pthread", "vdso"])
                 .build()
                 .ok()?;
             Some(Self { guard, path })
         }
     }
 
+    /// The 40 functions with the most samples, on the stack (inclusive) and at its top
+    /// (self: the innermost frame, inlined or not).
+    fn top_costs(report: &pprof::Report) -> String {
+        use std::collections::{HashMap, HashSet};
+        let mut inclusive: HashMap<String, isize> = HashMap::new();
+        let mut own: HashMap<String, isize> = HashMap::new();
+        let mut total = 0;
+        for (frames, &count) in &report.data {
+            total += count;
+            let mut seen = HashSet::new();
+            for (depth, frame) in frames.frames.iter().enumerate() {
+                for (inline, symbol) in frame.iter().enumerate() {
+                    let name = symbol.name();
+                    if depth == 0 && inline == 0 {
+                        *own.entry(name.clone()).or_default() += count;
+                    }
+                    if seen.insert(name.clone()) {
+                        *inclusive.entry(name).or_default() += count;
+                    }
+                }
+            }
+        }
+        let table = |costs: HashMap<String, isize>| {
+            let mut costs: Vec<_> = costs.into_iter().collect();
+            costs.sort_by(|a, b| b.1.cmp(&a.1));
+            costs
+                .iter()
+                .take(40)
+                .map(|(name, n)| format!("{:6.2}%  {name}\n", *n as f64 * 100.0 / total.max(1) as f64))
+                .collect::<String>()
+        };
+        format!(
+            "{total} samples\n\nself:\n{}\ninclusive:\n{}",
+            table(own),
+            table(inclusive)
+        )
+    }
+
     impl Drop for Sampler {
         fn drop(&mut self) {
             let written = self.guard.report().build().map(|report| {
-                std::fs::File::create(&self.path)
+                let summary = self.path.with_extension("txt");
+                std::fs::write(&summary, top_costs(&report))
                     .map_err(|e| e.to_string())
+                    .and_then(|()| std::fs::File::create(&self.path).map_err(|e| e.to_string()))
                     .and_then(|file| report.flamegraph(file).map_err(|e| e.to_string()))
             });
             if let Ok(Err(e)) | Err(e) = written.map_err(|e| e.to_string()) {
