@@ -123,6 +123,15 @@ nginx_pid=$!
 wait_port "$nginx_port"
 measure "nginx proxy_pass (no idempotency)" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
 kill "$nginx_pid"
+wait "$nginx_pid" 2>/dev/null || true
+# The same with an access log, as the gateway writes one line per request (SPEC §11).
+sed -i "s|access_log off;|access_log $work/nginx/access.log;|" "$work/nginx/nginx.conf"
+taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
+nginx_pid=$!
+pids+=($nginx_pid)
+wait_port "$nginx_port"
+measure "nginx proxy_pass + access log" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
+kill "$nginx_pid"
 
 redis_port=""
 if [[ " $STORES " == *" redis "* ]]; then

@@ -284,7 +284,9 @@ mod profile {
             costs
                 .iter()
                 .take(40)
-                .map(|(name, n)| format!("{:6.2}%  {name}\n", *n as f64 * 100.0 / total.max(1) as f64))
+                .map(|(name, n)| {
+                    format!("{:6.2}%  {name}\n", *n as f64 * 100.0 / total.max(1) as f64)
+                })
                 .collect::<String>()
         };
         format!(

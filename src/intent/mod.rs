@@ -63,7 +63,7 @@ pub fn owner(mode: &OwnerMode, headers: &HeaderMap) -> Result<String, OwnerError
 
 /// The hex SHA-256 of a credential: the owner, and what `[clients]` lists.
 pub fn digest(credential: &[u8]) -> String {
-    hex::encode(Sha256::digest(credential))
+    crate::job::hex_of(&Sha256::digest(credential).into())
 }
 
 /// The one value of `name`, `None` when absent or blank.
@@ -241,7 +241,7 @@ pub fn fingerprint_of(
         hasher.update(b"raw ");
         hasher.update(body);
     }
-    hex::encode(hasher.finalize())
+    crate::job::hex_of(&hasher.finalize().into())
 }
 
 #[cfg(test)]
