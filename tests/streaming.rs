@@ -361,9 +361,45 @@ async fn a_duplicate_on_another_gateway_follows_the_stream_through_redis() {
                 .unwrap(),
         )
     };
+    follows_across(open().await, open().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_on_another_gateway_follows_the_stream_through_postgres() {
+    let url = common::pg_server::shared().database().await;
+    let open = || async {
+        let config = idemgate::config::StoreConfig {
+            kind: idemgate::config::StoreKind::Postgres,
+            path: Default::default(),
+            urls: vec![url.clone()],
+            cluster: false,
+            key_prefix: String::new(),
+            pool_size: Some(4),
+            wait_replicas: 0,
+            op_timeout: std::time::Duration::from_secs(2),
+        };
+        let policy = idemgate::job::ExpiryPolicy {
+            retention: Duration::from_secs(3600),
+            late_result_window: Duration::from_secs(600),
+        };
+        Arc::new(
+            idemgate::store::postgres::PostgresStore::open(&config, policy)
+                .await
+                .unwrap(),
+        )
+    };
+    follows_across(open().await, open().await).await;
+}
+
+/// Gateway `a` relays a stream; a duplicate on gateway `b` (another store client on the
+/// same store) gets what was relayed so far, then follows it live to its clean end.
+async fn follows_across(
+    a: Arc<dyn idemgate::store::JobStore>,
+    b: Arc<dyn idemgate::store::JobStore>,
+) {
     let mut provider = StreamingProvider::start().await;
-    let a = TestGateway::start_on(&config(&provider.url(), ""), open().await).await;
-    let b = TestGateway::start_on(&config(&provider.url(), ""), open().await).await;
+    let a = TestGateway::start_on(&config(&provider.url(), ""), a).await;
+    let b = TestGateway::start_on(&config(&provider.url(), ""), b).await;
     let events = events();
 
     let first = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), "k-across"));
