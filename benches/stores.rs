@@ -144,16 +144,7 @@ fn main() {
         // PostgreSQL from initdb, synced commits as in production; skipped when not installed.
         let pg_server = std::panic::catch_unwind(pg_server::PgServer::start_durable).ok();
         if let Some(server) = &pg_server {
-            let config = idemgate::config::StoreConfig {
-                kind: idemgate::config::StoreKind::Postgres,
-                path: Default::default(),
-                urls: vec![server.database().await],
-                cluster: false,
-                key_prefix: String::new(),
-                pool_size: Some(16),
-                wait_replicas: 0,
-                op_timeout: std::time::Duration::from_secs(2),
-            };
+            let config = pg_server::store_config(&server.database().await, 16);
             let store = idemgate::store::postgres::PostgresStore::open(&config, policy)
                 .await
                 .unwrap();

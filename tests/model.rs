@@ -935,25 +935,15 @@ async fn histories_on_a_redis_cluster() {
     .await;
 }
 
-fn postgres_config(url: String) -> StoreConfig {
-    StoreConfig {
-        kind: StoreKind::Postgres,
-        path: Default::default(),
-        urls: vec![url],
-        cluster: false,
-        key_prefix: String::new(),
-        pool_size: Some(4),
-        wait_replicas: 0,
-        op_timeout: std::time::Duration::from_secs(2),
-    }
-}
-
 /// A fresh database per history, on the test binary's own PostgreSQL server.
 async fn postgres_store() -> (Arc<dyn JobStore>, ()) {
     let url = common::pg_server::shared().database().await;
-    let store = idemgate::store::postgres::PostgresStore::open(&postgres_config(url), POLICY)
-        .await
-        .unwrap();
+    let store = idemgate::store::postgres::PostgresStore::open(
+        &common::pg_server::store_config(&url, 4),
+        POLICY,
+    )
+    .await
+    .unwrap();
     (Arc::new(store) as Arc<dyn JobStore>, ())
 }
 

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use common::pg_server::{self, PgServer};
 use common::*;
 use http::Method;
-use idemgate::config::{StoreConfig, StoreKind};
+use idemgate::config::StoreConfig;
 use idemgate::job::{
     new_job_id, AttemptState, ExpiryPolicy, JobRecord, StoredResponse, Transition,
 };
@@ -27,16 +27,7 @@ const POLICY: ExpiryPolicy = ExpiryPolicy {
 };
 
 fn config(url: &str) -> StoreConfig {
-    StoreConfig {
-        kind: StoreKind::Postgres,
-        path: Default::default(),
-        urls: vec![url.to_owned()],
-        cluster: false,
-        key_prefix: String::new(),
-        pool_size: Some(8),
-        wait_replicas: 0,
-        op_timeout: Duration::from_secs(2),
-    }
+    pg_server::store_config(url, 8)
 }
 
 async fn store(url: &str) -> Arc<PostgresStore> {
@@ -55,31 +46,7 @@ async fn sql(url: &str) -> tokio_postgres::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
     let url = pg_server::shared().database().await;
-    let mut primary = HeldProvider::start().await;
-    let route = two_provider_config(&primary.url(), "", None, "");
-    let a = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
-    let b = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
-    let mut clicks = Vec::new();
-    for i in 0..50 {
-        let gw = if i % 2 == 0 { a.clone() } else { b.clone() };
-        clicks.push(tokio::spawn(async move {
-            gw.post(CHAT, Some("shared-click"), chat_request()).await
-        }));
-    }
-    let call = primary.next_call().await;
-    primary
-        .assert_no_call_within(Duration::from_millis(300))
-        .await;
-    call.answer(200, fixture("openai-chat-completion.json"));
-    let mut ids = std::collections::HashSet::new();
-    for click in clicks {
-        let reply = click.await.unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-        assert_eq!(reply.body, fixture("openai-chat-completion.json"));
-        ids.insert(reply.job_id());
-    }
-    assert_eq!(ids.len(), 1, "one job id across both gateways");
-    assert_eq!(primary.calls(), 1, "one upstream call across both gateways");
+    two_gateways::fifty_duplicates_make_one_call(store(&url).await, store(&url).await).await;
     let rows = sql(&url)
         .await
         .query_one("SELECT count(*) FROM jobs", &[])
@@ -91,45 +58,7 @@ async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedged_race_across_instances_has_one_winner() {
     let url = pg_server::shared().database().await;
-    let mut primary = HeldProvider::start().await;
-    let mut fallback = HeldProvider::start().await;
-    let route = two_provider_config(
-        &primary.url(),
-        "",
-        Some(&fallback.url()),
-        "hedge_after = \"100ms\"",
-    );
-    let a = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
-    let b = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
-
-    let first = {
-        let a = a.clone();
-        tokio::spawn(async move { a.post(CHAT, Some("k-race"), chat_request()).await })
-    };
-    let primary_call = primary.next_call().await;
-    let fallback_call = fallback.next_call().await;
-    let duplicate = {
-        let b = b.clone();
-        tokio::spawn(async move { b.post(CHAT, Some("k-race"), chat_request()).await })
-    };
-    // Reverse order: the hedge answers first and wins; the primary, though first to
-    // start, loses.
-    fallback_call.answer(200, Bytes::from_static(br#"{"from":"fallback"}"#));
-    let first = first.await.unwrap();
-    let duplicate = duplicate.await.unwrap();
-    assert_eq!(first.body, Bytes::from_static(br#"{"from":"fallback"}"#));
-    assert_eq!(duplicate.body, first.body);
-    assert_eq!(duplicate.job_id(), first.job_id());
-
-    primary_call.answer(200, Bytes::from_static(br#"{"from":"primary"}"#));
-    let id = first.job_id();
-    let view = b
-        .job_eventually(&id, |v| v["attempts"][0]["state"] == "lost_race")
-        .await;
-    assert_eq!(view["job"]["completed_by"], 2);
-    let replay = b.post(CHAT, Some("k-race"), chat_request()).await;
-    assert_eq!(replay.body, Bytes::from_static(br#"{"from":"fallback"}"#));
-    assert_eq!((primary.calls(), fallback.calls()), (1, 1));
+    let id = two_gateways::a_hedged_race_has_one_winner(store(&url).await, store(&url).await).await;
     let row = sql(&url)
         .await
         .query_one(
@@ -166,6 +95,34 @@ async fn a_hedged_race_across_instances_has_one_winner() {
     assert_eq!(rate[0].get::<_, i64>("jobs"), 1);
 }
 
+/// A new job of `key` with one started attempt per provider, as a round registers them.
+fn started(key: &str, providers: &[&str], now: SystemTime) -> JobRecord {
+    let mut record = JobRecord::new(
+        new_job_id("owner", key),
+        "owner".into(),
+        key.into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now + Duration::from_secs(30),
+        &POLICY,
+    );
+    for (n, provider) in (1..).zip(providers) {
+        record
+            .apply(
+                Transition::StartAttempt {
+                    version: 1,
+                    n,
+                    provider: (*provider).into(),
+                },
+                now,
+                &POLICY,
+            )
+            .unwrap();
+    }
+    record
+}
+
 fn answer(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: 200,
@@ -186,30 +143,8 @@ async fn the_second_finisher_s_update_matches_zero_rows_and_it_loses() {
     let url = pg_server::shared().database().await;
     let (a, b) = (store(&url).await, store(&url).await);
     let now = idemgate::clock::now();
-    let mut record = JobRecord::new(
-        new_job_id("owner", "k"),
-        "owner".into(),
-        "k".into(),
-        "fp".into(),
-        "chat".into(),
-        now,
-        now + Duration::from_secs(30),
-        &POLICY,
-    );
+    let record = started("k", &["primary", "fallback"], now);
     let id = record.job.id.clone();
-    for (n, provider) in [(1, "primary"), (2, "fallback")] {
-        record
-            .apply(
-                Transition::StartAttempt {
-                    version: 1,
-                    n,
-                    provider: provider.into(),
-                },
-                now,
-                &POLICY,
-            )
-            .unwrap();
-    }
     assert!(matches!(
         a.claim(record, now).await.unwrap(),
         Claim::Created(_)
@@ -486,28 +421,8 @@ async fn a_retried_reopen_is_recognised_to_the_nanosecond_on_another_gateway() {
     let url = pg_server::shared().database().await;
     let (a, b) = (store(&url).await, store(&url).await);
     let now = idemgate::clock::now();
-    let mut record = JobRecord::new(
-        new_job_id("owner", "reopen"),
-        "owner".into(),
-        "reopen".into(),
-        "fp".into(),
-        "chat".into(),
-        now,
-        now + Duration::from_secs(30),
-        &POLICY,
-    );
+    let record = started("reopen", &["primary"], now);
     let id = record.job.id.clone();
-    record
-        .apply(
-            Transition::StartAttempt {
-                version: 1,
-                n: 1,
-                provider: "primary".into(),
-            },
-            now,
-            &POLICY,
-        )
-        .unwrap();
     a.claim(record, now).await.unwrap();
     let fail = Transition::FailAttempt {
         n: 1,

@@ -39,90 +39,13 @@ async fn store(server: &RedisServer) -> Arc<RedisStore> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
     let server = RedisServer::start().await;
-    let mut primary = HeldProvider::start().await;
-    let a = Arc::new(
-        TestGateway::start_on(
-            &two_provider_config(&primary.url(), "", None, ""),
-            store(&server).await,
-        )
-        .await,
-    );
-    let b = Arc::new(
-        TestGateway::start_on(
-            &two_provider_config(&primary.url(), "", None, ""),
-            store(&server).await,
-        )
-        .await,
-    );
-    let mut clicks = Vec::new();
-    for i in 0..50 {
-        let gw = if i % 2 == 0 { a.clone() } else { b.clone() };
-        clicks.push(tokio::spawn(async move {
-            gw.post(CHAT, Some("shared-click"), chat_request()).await
-        }));
-    }
-    let call = primary.next_call().await;
-    primary
-        .assert_no_call_within(Duration::from_millis(300))
-        .await;
-    call.answer(200, fixture("openai-chat-completion.json"));
-    let mut ids = std::collections::HashSet::new();
-    for click in clicks {
-        let reply = click.await.unwrap();
-        assert_eq!(reply.status, 200, "{reply:?}");
-        assert_eq!(reply.body, fixture("openai-chat-completion.json"));
-        ids.insert(reply.job_id());
-    }
-    assert_eq!(ids.len(), 1, "one job id across both gateways");
-    assert_eq!(primary.calls(), 1, "one upstream call across both gateways");
+    two_gateways::fifty_duplicates_make_one_call(store(&server).await, store(&server).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedged_race_across_instances_has_one_winner() {
     let server = RedisServer::start().await;
-    let mut primary = HeldProvider::start().await;
-    let mut fallback = HeldProvider::start().await;
-    let route = two_provider_config(
-        &primary.url(),
-        "",
-        Some(&fallback.url()),
-        "hedge_after = \"100ms\"",
-    );
-    let a = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
-    let b = Arc::new(TestGateway::start_on(&route, store(&server).await).await);
-
-    let first = {
-        let a = a.clone();
-        tokio::spawn(async move { a.post(CHAT, Some("k-race"), chat_request()).await })
-    };
-    let primary_call = primary.next_call().await;
-    let fallback_call = fallback.next_call().await;
-    // A duplicate on the other gateway waits for the job.
-    let duplicate = {
-        let b = b.clone();
-        tokio::spawn(async move { b.post(CHAT, Some("k-race"), chat_request()).await })
-    };
-    fallback_call.answer(200, Bytes::from_static(br#"{"from":"fallback"}"#));
-    let first = first.await.unwrap();
-    let duplicate = duplicate.await.unwrap();
-    assert_eq!(first.body, Bytes::from_static(br#"{"from":"fallback"}"#));
-    assert_eq!(duplicate.body, first.body);
-    assert_eq!(duplicate.job_id(), first.job_id());
-    assert_eq!(duplicate.header("x-idempotency-attempt"), Some("2"));
-
-    primary_call.answer(200, Bytes::from_static(br#"{"from":"primary"}"#));
-    let id = first.job_id();
-    let view = b
-        .job_eventually(&id, |v| v["attempts"][0]["state"] == "lost_race")
-        .await;
-    assert_eq!(view["job"]["completed_by"], 2);
-    let replay = b.post(CHAT, Some("k-race"), chat_request()).await;
-    assert_eq!(
-        replay.body,
-        Bytes::from_static(br#"{"from":"fallback"}"#),
-        "the loser's body is never served"
-    );
-    assert_eq!((primary.calls(), fallback.calls()), (1, 1));
+    two_gateways::a_hedged_race_has_one_winner(store(&server).await, store(&server).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -59,23 +59,13 @@ conformance_suite!(redis_cluster, || async {
     (Arc::new(store) as Arc<dyn JobStore>, cluster)
 });
 
-fn postgres_config(url: String) -> StoreConfig {
-    StoreConfig {
-        kind: StoreKind::Postgres,
-        path: Default::default(),
-        urls: vec![url],
-        cluster: false,
-        key_prefix: String::new(),
-        pool_size: Some(8),
-        wait_replicas: 0,
-        op_timeout: std::time::Duration::from_secs(2),
-    }
-}
-
 conformance_suite!(postgres, || async {
     let url = common::pg_server::shared().database().await;
-    let store = PostgresStore::open(&postgres_config(url), conformance::POLICY)
-        .await
-        .unwrap();
+    let store = PostgresStore::open(
+        &common::pg_server::store_config(&url, 8),
+        conformance::POLICY,
+    )
+    .await
+    .unwrap();
     (Arc::new(store) as Arc<dyn JobStore>, ())
 });

@@ -368,16 +368,7 @@ async fn a_duplicate_on_another_gateway_follows_the_stream_through_redis() {
 async fn a_duplicate_on_another_gateway_follows_the_stream_through_postgres() {
     let url = common::pg_server::shared().database().await;
     let open = || async {
-        let config = idemgate::config::StoreConfig {
-            kind: idemgate::config::StoreKind::Postgres,
-            path: Default::default(),
-            urls: vec![url.clone()],
-            cluster: false,
-            key_prefix: String::new(),
-            pool_size: Some(4),
-            wait_replicas: 0,
-            op_timeout: std::time::Duration::from_secs(2),
-        };
+        let config = common::pg_server::store_config(&url, 4);
         let policy = idemgate::job::ExpiryPolicy {
             retention: Duration::from_secs(3600),
             late_result_window: Duration::from_secs(600),

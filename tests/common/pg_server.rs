@@ -231,3 +231,17 @@ pub fn shared() -> &'static PgServer {
         server
     })
 }
+
+/// The store settings of a gateway on the database at `url`, with `pool_size` connections.
+pub fn store_config(url: &str, pool_size: u32) -> idemgate::config::StoreConfig {
+    idemgate::config::StoreConfig {
+        kind: idemgate::config::StoreKind::Postgres,
+        path: Default::default(),
+        urls: vec![url.to_owned()],
+        cluster: false,
+        key_prefix: String::new(),
+        pool_size: Some(pool_size),
+        wait_replicas: 0,
+        op_timeout: std::time::Duration::from_secs(2),
+    }
+}
