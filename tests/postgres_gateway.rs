@@ -11,7 +11,6 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use common::pg_server::{self, PgServer};
 use common::*;
-use http::Method;
 use idemgate::config::StoreConfig;
 use idemgate::job::{
     new_job_id, AttemptState, ExpiryPolicy, JobRecord, StoredResponse, Transition,
@@ -46,7 +45,7 @@ async fn sql(url: &str) -> tokio_postgres::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
     let url = pg_server::shared().database().await;
-    two_gateways::fifty_duplicates_make_one_call(store(&url).await, store(&url).await).await;
+    shared_stores::fifty_duplicates_make_one_call(store(&url).await, store(&url).await).await;
     let rows = sql(&url)
         .await
         .query_one("SELECT count(*) FROM jobs", &[])
@@ -58,7 +57,8 @@ async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedged_race_across_instances_has_one_winner() {
     let url = pg_server::shared().database().await;
-    let id = two_gateways::a_hedged_race_has_one_winner(store(&url).await, store(&url).await).await;
+    let id =
+        shared_stores::a_hedged_race_has_one_winner(store(&url).await, store(&url).await).await;
     let row = sql(&url)
         .await
         .query_one(
@@ -273,69 +273,12 @@ async fn the_unique_constraint_decides_a_claim_race() {
 async fn postgres_down_fails_closed_and_traffic_resumes_when_it_is_back() {
     let server = PgServer::start();
     let url = server.database().await;
-    let provider = wiremock::MockServer::start().await;
-    wiremock::Mock::given(wiremock::matchers::method("POST"))
-        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
-        .mount(&provider)
-        .await;
-    let gw = TestGateway::start_on(
-        &two_provider_config(&provider.uri(), "", None, ""),
+    shared_stores::an_outage_fails_closed_and_traffic_resumes(
         store(&url).await,
+        async || server.kill(),
+        async || server.restart(),
     )
     .await;
-    // Traffic, then the database dies under it.
-    for i in 0..5 {
-        let key = format!("k-before-{i}");
-        assert_eq!(gw.post(CHAT, Some(&key), chat_request()).await.status, 200);
-    }
-    server.kill();
-    for i in 0..5 {
-        let key = format!("k-down-{i}");
-        gw.post(CHAT, Some(&key), chat_request())
-            .await
-            .assert_problem(503, "store-unavailable");
-    }
-    let c = client();
-    let ready = send(
-        &c,
-        Method::GET,
-        &format!("{}/readyz", gw.admin),
-        &[],
-        Bytes::new(),
-    )
-    .await;
-    assert_eq!(ready.status, 503);
-    assert_eq!(
-        received(&provider).await,
-        5,
-        "no upstream call without a claim"
-    );
-
-    server.restart();
-    // The pool replaces its broken connections by itself; a few bounded tries to notice.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let reply = gw.post(CHAT, Some("k-after"), chat_request()).await;
-        if reply.status == 200 {
-            break;
-        }
-        reply.assert_problem(503, "store-unavailable");
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "traffic never resumed"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(received(&provider).await, 6);
-    let ready = send(
-        &c,
-        Method::GET,
-        &format!("{}/readyz", gw.admin),
-        &[],
-        Bytes::new(),
-    )
-    .await;
-    assert_eq!(ready.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::redis_server::RedisServer;
 use common::*;
-use http::Method;
 use idemgate::config::{StoreConfig, StoreKind};
 use idemgate::job::ExpiryPolicy;
 use idemgate::store::redis::RedisStore;
@@ -39,77 +38,25 @@ async fn store(server: &RedisServer) -> Arc<RedisStore> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_duplicates_split_across_two_gateways_make_one_call() {
     let server = RedisServer::start().await;
-    two_gateways::fifty_duplicates_make_one_call(store(&server).await, store(&server).await).await;
+    shared_stores::fifty_duplicates_make_one_call(store(&server).await, store(&server).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedged_race_across_instances_has_one_winner() {
     let server = RedisServer::start().await;
-    two_gateways::a_hedged_race_has_one_winner(store(&server).await, store(&server).await).await;
+    shared_stores::a_hedged_race_has_one_winner(store(&server).await, store(&server).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_fails_closed_and_traffic_resumes_when_it_is_back() {
-    let mut server = RedisServer::start().await;
-    let provider = wiremock::MockServer::start().await;
-    wiremock::Mock::given(wiremock::matchers::method("POST"))
-        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
-        .mount(&provider)
-        .await;
-    let gw = TestGateway::start_on(
-        &two_provider_config(&provider.uri(), "", None, ""),
-        store(&server).await,
+    let server = tokio::sync::Mutex::new(RedisServer::start().await);
+    let redis = store(&*server.lock().await).await;
+    shared_stores::an_outage_fails_closed_and_traffic_resumes(
+        redis,
+        async || server.lock().await.stop(),
+        async || server.lock().await.restart().await,
     )
     .await;
-    assert_eq!(
-        gw.post(CHAT, Some("k-before"), chat_request()).await.status,
-        200
-    );
-
-    server.stop();
-    let refused = gw.post(CHAT, Some("k-down"), chat_request()).await;
-    refused.assert_problem(503, "store-unavailable");
-    let c = client();
-    let ready = send(
-        &c,
-        Method::GET,
-        &format!("{}/readyz", gw.admin),
-        &[],
-        Bytes::new(),
-    )
-    .await;
-    assert_eq!(ready.status, 503);
-    assert_eq!(
-        received(&provider).await,
-        1,
-        "no upstream call without a claim"
-    );
-
-    server.restart().await;
-    // The connection comes back by itself; allow it a few bounded tries to notice.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let reply = gw.post(CHAT, Some("k-after"), chat_request()).await;
-        if reply.status == 200 {
-            break;
-        }
-        reply.assert_problem(503, "store-unavailable");
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "traffic never resumed"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(received(&provider).await, 2);
-    let ready = send(
-        &c,
-        Method::GET,
-        &format!("{}/readyz", gw.admin),
-        &[],
-        Bytes::new(),
-    )
-    .await;
-    assert_eq!(ready.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

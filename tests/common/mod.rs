@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 pub mod pg_server;
 pub mod redis_server;
-pub mod two_gateways;
+pub mod shared_stores;
 
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 pub const ADMIN_TOKEN_ENV: &str = "IDEMGATE_TEST_ADMIN_TOKEN";

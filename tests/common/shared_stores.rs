@@ -1,11 +1,12 @@
-//! Scenarios of two gateways sharing one store, run against every shared store (Redis,
-//! PostgreSQL): each takes the two gateways' store clients and asserts what reached the
-//! providers and what every client got.
+//! Scenarios run against every store several gateways share (Redis, PostgreSQL): each takes
+//! the gateways' store clients and asserts what reached the providers and what every client
+//! got.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::Method;
 use idemgate::store::JobStore;
 
 use super::*;
@@ -89,4 +90,60 @@ pub async fn a_hedged_race_has_one_winner(a: Arc<dyn JobStore>, b: Arc<dyn JobSt
     );
     assert_eq!((primary.calls(), fallback.calls()), (1, 1));
     id
+}
+
+/// The store stops (`stop`) under a gateway that served traffic: requests are refused with
+/// 503 `store-unavailable` and never reach the provider, `/readyz` says 503; once it is
+/// back (`start`) traffic resumes without restarting the gateway.
+pub async fn an_outage_fails_closed_and_traffic_resumes(
+    store: Arc<dyn JobStore>,
+    stop: impl AsyncFnOnce(),
+    start: impl AsyncFnOnce(),
+) {
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .mount(&provider)
+        .await;
+    let gw =
+        TestGateway::start_on(&two_provider_config(&provider.uri(), "", None, ""), store).await;
+    for i in 0..5 {
+        let key = format!("k-before-{i}");
+        assert_eq!(gw.post(CHAT, Some(&key), chat_request()).await.status, 200);
+    }
+    stop().await;
+    for i in 0..5 {
+        let key = format!("k-down-{i}");
+        gw.post(CHAT, Some(&key), chat_request())
+            .await
+            .assert_problem(503, "store-unavailable");
+    }
+    let c = client();
+    let readyz = format!("{}/readyz", gw.admin);
+    let ready = send(&c, Method::GET, &readyz, &[], Bytes::new()).await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(
+        received(&provider).await,
+        5,
+        "no upstream call without a claim"
+    );
+
+    start().await;
+    // The connections come back by themselves; a few bounded tries to notice.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let reply = gw.post(CHAT, Some("k-after"), chat_request()).await;
+        if reply.status == 200 {
+            break;
+        }
+        reply.assert_problem(503, "store-unavailable");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "traffic never resumed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(received(&provider).await, 6);
+    let ready = send(&c, Method::GET, &readyz, &[], Bytes::new()).await;
+    assert_eq!(ready.status, 200);
 }
