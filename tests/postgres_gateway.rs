@@ -471,3 +471,59 @@ async fn killed_under_load_no_call_goes_out_unclaimed() {
         "every provider call is a recorded attempt"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
+    let url = pg_server::shared().database().await;
+    let lines = format!("kind = \"postgres\"\nurl = \"{url}\"");
+    shared_stores::a_gateway_killed_mid_attempt_leaves_the_job_unknown(&lines, store(&url).await)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_another_gateway_s_sweep() {
+    let url = pg_server::shared().database().await;
+    let lines = format!("kind = \"postgres\"\nurl = \"{url}\"");
+    shared_stores::an_orphan_of_kill_9_is_listed_unknown_by_another_gateway(
+        &lines,
+        store(&url).await,
+    )
+    .await;
+}
+
+/// A job's row lives `retention + late_result_window` while unsettled and `retention` once
+/// settled (`expires_at`, what the sweep deletes by).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_live_for_retention_after_settling_and_longer_while_unsettled() {
+    let url = pg_server::shared().database().await;
+    let mut provider = HeldProvider::start().await;
+    let route = format!(
+        "[idempotency]\nretention = \"1h\"\n{}",
+        two_provider_config(&provider.url(), "", None, "")
+    );
+    let gw = Arc::new(TestGateway::start_on(&route, store(&url).await).await);
+    let client = sql(&url).await;
+    let expires_in = async || -> f64 {
+        client
+            .query_one(
+                "SELECT extract(epoch FROM expires_at - now())::float8 FROM jobs",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let running = {
+        let gw = gw.clone();
+        tokio::spawn(async move { gw.post(CHAT, Some("k-ttl"), chat_request()).await })
+    };
+    let call = provider.next_call().await;
+    let unsettled = (POLICY.retention + POLICY.late_result_window).as_secs_f64();
+    let left = expires_in().await;
+    assert!(left > unsettled - 60.0 && left <= unsettled, "{left}");
+    call.answer(200, Bytes::from_static(b"{}"));
+    assert_eq!(running.await.unwrap().status, 200);
+    let settled = POLICY.retention.as_secs_f64();
+    let left = expires_in().await;
+    assert!(left > settled - 60.0 && left <= settled, "{left}");
+}

@@ -139,40 +139,12 @@ async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
     let server = RedisServer::start().await;
-    let mut provider = HeldProvider::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (port, admin_port) = (free_port().await, free_port().await);
-    let file = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
-             [store]\nkind = \"redis\"\nurl = \"{}\"\n[idempotency]\nlease = \"300ms\"\n{}",
-            server.url(),
-            two_provider_config(&provider.url(), "", None, "")
-        ),
-    )
-    .unwrap();
-    let mut doomed = spawn_gateway(&file, port, admin_port).await;
-    let cut = post_in_background(&doomed.base, "k-killed");
-    let _held = provider.next_call().await;
-    doomed.child.kill().unwrap();
-    doomed.child.wait().unwrap();
-    let _ = bounded("the cut request", cut).await;
-
-    let survivor = TestGateway::start_on(
-        &format!(
-            "[idempotency]\nlease = \"300ms\"\n{}",
-            two_provider_config(&provider.url(), "", None, "")
-        ),
+    let lines = format!("kind = \"redis\"\nurl = \"{}\"", server.url());
+    shared_stores::a_gateway_killed_mid_attempt_leaves_the_job_unknown(
+        &lines,
         store(&server).await,
     )
     .await;
-    let reply = survivor.post(CHAT, Some("k-killed"), chat_request()).await;
-    reply.assert_problem(409, "outcome-unknown");
-    let view = survivor.job(&reply.job_id()).await;
-    assert_eq!(view["job"]["state"], "unknown");
-    assert_eq!(provider.calls(), 1, "never a second upstream call");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -235,59 +207,10 @@ async fn keys_live_for_retention_after_settling_and_longer_while_unsettled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_another_gateway_s_sweep() {
     let server = RedisServer::start().await;
-    let mut provider = HeldProvider::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (port, admin_port) = (free_port().await, free_port().await);
-    let file = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
-             [store]\nkind = \"redis\"\nurl = \"{}\"\n[idempotency]\nlease = \"1s\"\n{}",
-            server.url(),
-            two_provider_config(&provider.url(), "", None, "")
-        ),
-    )
-    .unwrap();
-    // The survivor runs from the start, as a second replica would.
-    let survivor = TestGateway::start_on(
-        &format!(
-            "[idempotency]\nlease = \"1s\"\n{}",
-            two_provider_config(&provider.url(), "", None, "")
-        ),
+    let lines = format!("kind = \"redis\"\nurl = \"{}\"", server.url());
+    shared_stores::an_orphan_of_kill_9_is_listed_unknown_by_another_gateway(
+        &lines,
         store(&server).await,
     )
     .await;
-    let mut doomed = spawn_gateway(&file, port, admin_port).await;
-    let cut = post_in_background(&doomed.base, "k-orphan");
-    let _held = provider.next_call().await;
-    doomed.child.kill().unwrap();
-    doomed.child.wait().unwrap();
-    let killed_at = tokio::time::Instant::now();
-    let _ = bounded("the cut request", cut).await;
-
-    // Nobody asks for the key: the survivor's sweep lists the orphan.
-    let deadline = killed_at + Duration::from_secs(1 + 10);
-    loop {
-        let listed = survivor.admin_get("/jobs?state=unknown").await.json();
-        if listed["jobs"]
-            .as_array()
-            .is_some_and(|jobs| jobs.len() == 1)
-        {
-            assert_eq!(listed["jobs"][0]["job"]["key"], "k-orphan");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not listed unknown within lease + 10 s: {listed}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!(
-        "orphan listed unknown {:?} after the kill",
-        killed_at.elapsed()
-    );
-    let metrics = survivor.admin_get("/metrics").await;
-    assert!(String::from_utf8_lossy(&metrics.body).contains("idemgate_jobs_unknown 1"));
-    assert_eq!(provider.calls(), 1, "never a second upstream call");
 }

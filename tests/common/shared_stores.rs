@@ -147,3 +147,106 @@ pub async fn an_outage_fails_closed_and_traffic_resumes(
     let ready = send(&c, Method::GET, &readyz, &[], Bytes::new()).await;
     assert_eq!(ready.status, 200);
 }
+
+/// A gateway process on `store` (a `[store]` table's lines) with `lease`, beside the
+/// provider; its config file lives in `dir`.
+async fn doomed_gateway(
+    dir: &std::path::Path,
+    store: &str,
+    lease: &str,
+    provider: &str,
+) -> Process {
+    let (port, admin_port) = (free_port().await, free_port().await);
+    let file = dir.join("idemgate.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
+             [store]\n{store}\n[idempotency]\nlease = \"{lease}\"\n{}",
+            two_provider_config(provider, "", None, "")
+        ),
+    )
+    .unwrap();
+    spawn_gateway(&file, port, admin_port).await
+}
+
+/// A gateway process on `store` (its `[store]` lines) is killed (-9) while its attempt is
+/// with the provider; another gateway (on `survivor`) finds the job `unknown` and never
+/// calls the provider again.
+pub async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown(
+    store: &str,
+    survivor: Arc<dyn JobStore>,
+) {
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut doomed = doomed_gateway(dir.path(), store, "300ms", &provider.url()).await;
+    let cut = post_in_background(&doomed.base, "k-killed");
+    let _held = provider.next_call().await;
+    doomed.child.kill().unwrap();
+    doomed.child.wait().unwrap();
+    let _ = bounded("the cut request", cut).await;
+
+    let survivor = TestGateway::start_on(
+        &format!(
+            "[idempotency]\nlease = \"300ms\"\n{}",
+            two_provider_config(&provider.url(), "", None, "")
+        ),
+        survivor,
+    )
+    .await;
+    let reply = survivor.post(CHAT, Some("k-killed"), chat_request()).await;
+    reply.assert_problem(409, "outcome-unknown");
+    let view = survivor.job(&reply.job_id()).await;
+    assert_eq!(view["job"]["state"], "unknown");
+    assert_eq!(provider.calls(), 1, "never a second upstream call");
+}
+
+/// A gateway process is killed (-9) mid-attempt and nobody asks for the key again: the
+/// other gateway's lease sweep lists the orphan `unknown` within `lease` + 10 s.
+pub async fn an_orphan_of_kill_9_is_listed_unknown_by_another_gateway(
+    store: &str,
+    survivor: Arc<dyn JobStore>,
+) {
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    // The survivor runs from the start, as a second replica would.
+    let survivor = TestGateway::start_on(
+        &format!(
+            "[idempotency]\nlease = \"1s\"\n{}",
+            two_provider_config(&provider.url(), "", None, "")
+        ),
+        survivor,
+    )
+    .await;
+    let mut doomed = doomed_gateway(dir.path(), store, "1s", &provider.url()).await;
+    let cut = post_in_background(&doomed.base, "k-orphan");
+    let _held = provider.next_call().await;
+    doomed.child.kill().unwrap();
+    doomed.child.wait().unwrap();
+    let killed_at = tokio::time::Instant::now();
+    let _ = bounded("the cut request", cut).await;
+
+    let deadline = killed_at + Duration::from_secs(1 + 10);
+    loop {
+        let listed = survivor.admin_get("/jobs?state=unknown").await.json();
+        if listed["jobs"]
+            .as_array()
+            .is_some_and(|jobs| jobs.len() == 1)
+        {
+            assert_eq!(listed["jobs"][0]["job"]["key"], "k-orphan");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not listed unknown within lease + 10 s: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "orphan listed unknown {:?} after the kill",
+        killed_at.elapsed()
+    );
+    let metrics = survivor.admin_get("/metrics").await;
+    assert!(String::from_utf8_lossy(&metrics.body).contains("idemgate_jobs_unknown 1"));
+    assert_eq!(provider.calls(), 1, "never a second upstream call");
+}
