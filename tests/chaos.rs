@@ -1,6 +1,8 @@
-//! Chaos, bounded: two gateway processes sharing one `redis-server`, a client load of
-//! intents with deliberate duplicates sent to both, and in the middle: Redis killed (-9) and
-//! restarted, Redis frozen (SIGSTOP) and thawed, one gateway killed (-9) and restarted.
+//! Chaos, bounded: two gateway processes sharing one store — a `redis-server`, or a
+//! PostgreSQL server —, a client load of intents with deliberate duplicates sent to both,
+//! and in the middle: the store killed (-9; PostgreSQL's immediate stop) and restarted, the
+//! store frozen (SIGSTOP, every process of it) and thawed, one gateway killed (-9) and
+//! restarted.
 //! Afterwards, from the provider's own records and the store:
 //!
 //! 1. no job ever had two calls running at the provider at once;
@@ -18,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::pg_server::PgServer;
 use common::redis_server::RedisServer;
 use common::*;
 use http::Request;
@@ -41,10 +44,71 @@ fn scale() -> usize {
         .unwrap_or(1)
 }
 
+/// A store server the storm can kill, restart, freeze and thaw.
+trait Victim {
+    /// The `[store]` lines of a gateway on it.
+    fn lines(&self) -> String;
+    async fn kill(&mut self);
+    async fn restart(&mut self);
+    fn freeze(&self);
+    fn thaw(&self);
+}
+
+impl Victim for RedisServer {
+    fn lines(&self) -> String {
+        format!("kind = \"redis\"\nurl = \"{}\"", self.url())
+    }
+    async fn kill(&mut self) {
+        self.stop();
+    }
+    async fn restart(&mut self) {
+        RedisServer::restart(self).await;
+    }
+    fn freeze(&self) {
+        self.signal("STOP");
+    }
+    fn thaw(&self) {
+        self.signal("CONT");
+    }
+}
+
+struct Postgres {
+    server: PgServer,
+    url: String,
+}
+
+impl Victim for Postgres {
+    fn lines(&self) -> String {
+        format!("kind = \"postgres\"\nurl = \"{}\"\npool_size = 8", self.url)
+    }
+    async fn kill(&mut self) {
+        self.server.kill();
+    }
+    async fn restart(&mut self) {
+        self.server.restart();
+    }
+    fn freeze(&self) {
+        self.server.signal("STOP");
+    }
+    fn thaw(&self) {
+        self.server.signal("CONT");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_survive_redis_and_gateway_kills_without_running_an_intent_twice() {
+    storm("Redis", RedisServer::start_durable().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_survive_postgres_and_gateway_kills_without_running_an_intent_twice() {
+    let server = PgServer::start();
+    let url = server.database().await;
+    storm("PostgreSQL", Postgres { server, url }).await;
+}
+
+async fn storm(name: &str, mut store: impl Victim) {
     let scale = scale();
-    let mut redis = RedisServer::start_durable().await;
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let (provider, _) = {
         let ledger = ledger.clone();
@@ -94,15 +158,15 @@ async fn two_gateways_survive_redis_and_gateway_kills_without_running_an_intent_
         .await
     };
     let dir = tempfile::tempdir().unwrap();
-    let redis_url = redis.url();
+    let store_lines = store.lines();
     let config = |port: u16, admin: u16| {
         format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\nshutdown_grace = \"1s\"\n\
-             [store]\nkind = \"redis\"\nurl = \"{}\"\nop_timeout = \"1s\"\n\
+             [store]\n{}\nop_timeout = \"1s\"\n\
              [idempotency]\nlease = \"1s\"\nwait_for_in_flight = \"3s\"\nlate_result_window = \"5s\"\n\
              [[providers]]\nname = \"primary\"\nbase_url = \"http://{provider}\"\ntimeout = \"2s\"\n\
              [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"primary\"]\n",
-            redis_url
+            store_lines
         )
     };
     let mut gateways = Vec::new();
@@ -194,13 +258,13 @@ async fn two_gateways_survive_redis_and_gateway_kills_without_running_an_intent_
     // The storm.
     let step = storm / 8;
     tokio::time::sleep(step).await;
-    redis.stop(); // kill -9
+    store.kill().await;
     tokio::time::sleep(step / 2).await;
-    redis.restart().await;
+    store.restart().await;
     tokio::time::sleep(step).await;
-    redis.signal("STOP");
+    store.freeze();
     tokio::time::sleep(step / 2).await;
-    redis.signal("CONT");
+    store.thaw();
     tokio::time::sleep(step).await;
     processes[0].child.kill().unwrap(); // kill -9 gateway a
     processes[0].child.wait().unwrap();
@@ -263,7 +327,7 @@ async fn two_gateways_survive_redis_and_gateway_kills_without_running_an_intent_
     }
     let calls: usize = ledger.calls.values().sum();
     eprintln!(
-        "chaos: {intents} intents, {} requests ({} duplicates and retries), 1 Redis kill -9, 1 Redis SIGSTOP, 1 gateway kill -9; \
+        "chaos on {name}: {intents} intents, {} requests ({} duplicates and retries), 1 store kill -9, 1 store SIGSTOP, 1 gateway kill -9; \
          {} jobs reached the provider: {states:?}; {calls} provider calls, {attempts_recorded} attempts recorded; {} answers checked; {:.1?}",
         requests.load(std::sync::atomic::Ordering::Relaxed),
         requests.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(intents),

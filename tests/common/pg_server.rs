@@ -150,6 +150,34 @@ impl PgServer {
         run(pg_ctl, "pg_ctl stop");
     }
 
+    /// Sends `signal` (`STOP`, `CONT`, …) to the server and every process it forked, so a
+    /// `STOP` freezes it whole, open connections included.
+    pub fn signal(&self, signal: &str) {
+        let pid = std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+            .expect("the server is running")
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let children = Command::new("pgrep")
+            .args(["-P", &pid])
+            .output()
+            .expect("pgrep is installed");
+        let mut pids = vec![pid];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .split_whitespace()
+                .map(str::to_owned),
+        );
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .args(&pids)
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal} {pids:?}");
+    }
+
     /// Starts it again on the same port, with the same data.
     pub fn restart(&self) {
         self.start_process();
