@@ -69,6 +69,7 @@ pub mod gateway;
 pub mod headers;
 pub mod intent;
 pub mod job;
+pub mod logline;
 pub mod metrics;
 pub mod probe;
 mod server;

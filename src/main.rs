@@ -65,7 +65,9 @@ fn init_logging(log: &idemgate::config::LogConfig) {
         .with_writer(std::io::stderr);
     match log.format {
         idemgate::config::LogFormat::Json => builder.json().init(),
-        idemgate::config::LogFormat::Text => builder.init(),
+        idemgate::config::LogFormat::Text => {
+            builder.event_format(idemgate::logline::TextLine).init()
+        }
     }
 }
 

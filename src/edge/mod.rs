@@ -144,19 +144,17 @@ impl Service<Request<Body>> for AccessLog {
             };
             info!(
                 target: "idemgate::access",
-                method = %method,
-                // Display, not Debug: nothing here can hold a quote or a control character
-                // (hyper refuses them in a request target; the rest are the gateway's own).
-                path = %info.map_or(raw_path.as_str(), |i| i.path.as_str()),
-                route = %info.and_then(|i| i.route.as_deref()).unwrap_or(""),
+                method = method.as_str(),
+                path = info.map_or(raw_path.as_str(), |i| i.path.as_str()),
+                route = info.and_then(|i| i.route.as_deref()).unwrap_or(""),
                 status = response.status().as_u16(),
                 duration_ms = started.elapsed().as_secs_f64() * 1000.0,
                 outcome,
-                job_id = %header(headers::JOB_ID),
-                attempt = %header(headers::ATTEMPT),
-                provider = %header(headers::PROVIDER),
-                replayed = %header(headers::REPLAYED),
-                request_id = %request_id,
+                job_id = header(headers::JOB_ID),
+                attempt = header(headers::ATTEMPT),
+                provider = header(headers::PROVIDER),
+                replayed = header(headers::REPLAYED),
+                request_id = request_id.as_str(),
                 "request"
             );
             Ok(response)
