@@ -543,3 +543,29 @@ async fn rows_live_for_retention_after_settling_and_longer_while_unsettled() {
     let left = expires_in().await;
     assert!(left > settled - 60.0 && left <= settled, "{left}");
 }
+
+/// PostgreSQL `text` refuses NUL, and an attempt's error can quote a provider's error code:
+/// a hostile code still lets the failure be recorded (NUL as U+FFFD), never a failed write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_an_attempt_error_is_recorded_not_refused() {
+    let url = pg_server::shared().database().await;
+    let pg = store(&url).await;
+    let now = idemgate::clock::now();
+    let record = started("nul", &["primary"], now);
+    let id = record.job.id.clone();
+    pg.claim(record, now).await.unwrap();
+    let fail = Transition::FailAttempt {
+        n: 1,
+        kind: idemgate::job::Failure::Failed,
+        upstream_status: Some(400),
+        error: Some("the provider answered 400 bad\0code".into()),
+    };
+    pg.apply(&id, fail, now).await.unwrap().outcome.unwrap();
+    let error: String = sql(&url)
+        .await
+        .query_one("SELECT error FROM attempts WHERE job_id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(error, "the provider answered 400 bad\u{FFFD}code");
+}

@@ -108,6 +108,17 @@ where
     T::try_from(value.into()).map_err(unavailable)
 }
 
+/// `value` as PostgreSQL `text` can hold it: NUL is the one character it refuses, and an
+/// attempt's error can quote a provider (an error code from its body), so a hostile one
+/// must not make the write fail. NUL becomes U+FFFD.
+pub(super) fn text(value: &str) -> String {
+    if value.contains('\0') {
+        value.replace('\0', "\u{FFFD}")
+    } else {
+        value.to_owned()
+    }
+}
+
 /// The nanoseconds of `t` below its microsecond, which `timestamptz` does not keep.
 pub(super) fn sub_micros(t: SystemTime) -> i32 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -132,7 +143,7 @@ impl AttemptColumns {
         let mut columns = Self::default();
         for a in attempts {
             columns.n.push(a.n as i32);
-            columns.provider.push(a.provider.clone());
+            columns.provider.push(text(&a.provider));
             columns.state.push(a.state.as_str());
             columns.read_version.push(a.read_version as i64);
             columns.started_at.push(a.started_at);
@@ -140,7 +151,7 @@ impl AttemptColumns {
             columns
                 .upstream_status
                 .push(a.upstream_status.map(i32::from));
-            columns.error.push(a.error.clone());
+            columns.error.push(a.error.as_deref().map(text));
         }
         columns
     }
