@@ -40,7 +40,7 @@ pub mod schema;
 use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -66,6 +66,35 @@ const CACHE_LIMIT: usize = 4096;
 const CAS_RETRIES: usize = 16;
 /// Mirrored streams are kept this long after their last write.
 const MIRROR_RETENTION: Duration = Duration::from_secs(10 * 60);
+
+/// The SQL of the statements every request sends, built once: `prepare_cached` finds them
+/// by their text.
+static BY_ID: LazyLock<String> = LazyLock::new(|| select_record("j.id = $1"));
+static BY_KEY: LazyLock<String> =
+    LazyLock::new(|| select_record("j.owner = $1 AND j.idempotency_key = $2"));
+/// The claim: the insert with its attempts, and the holder read when it inserted nothing.
+static CLAIM: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH ins AS (
+                INSERT INTO jobs (id, owner, idempotency_key, fingerprint, route, state,
+                    version, completed_by, created_at, updated_at, expires_at, lease_until,
+                    lease_until_ns, revision)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $21, 1)
+                ON CONFLICT (owner, idempotency_key) DO NOTHING
+                RETURNING id
+            ), att AS (
+                INSERT INTO attempts (job_id, n, provider, state, read_version, started_at,
+                    finished_at, upstream_status, error)
+                SELECT ins.id, t.* FROM ins, unnest($13::integer[], $14::text[], $15::text[],
+                    $16::bigint[], $17::timestamptz[], $18::timestamptz[], $19::integer[],
+                    $20::text[]) AS t
+            )
+            SELECT (SELECT count(*) FROM ins) AS created, x.*
+            FROM (SELECT 1) AS one
+            LEFT JOIN LATERAL ({}) AS x ON NOT EXISTS (SELECT 1 FROM ins)",
+        select_record("j.owner = $2 AND j.idempotency_key = $3")
+    )
+});
 
 pub(super) fn unavailable(e: impl Into<crate::body::BoxError>) -> StoreError {
     StoreError::unavailable("postgres", e)
@@ -233,10 +262,7 @@ impl PostgresStore {
     /// The job `id` with its answer and revision.
     async fn fetch(&self, id: &str) -> Result<Option<(i64, JobRecord)>, StoreError> {
         let client = self.client().await?;
-        let statement = client
-            .prepare_cached(&select_record("j.id = $1"))
-            .await
-            .map_err(unavailable)?;
+        let statement = client.prepare_cached(&BY_ID).await.map_err(unavailable)?;
         let rows = client
             .query(&statement, &[&id])
             .await
@@ -252,27 +278,7 @@ impl PostgresStore {
         record: &JobRecord,
     ) -> Result<Option<Result<(), (i64, JobRecord)>>, StoreError> {
         let client = self.client().await?;
-        let sql = format!(
-            "WITH ins AS (
-                INSERT INTO jobs (id, owner, idempotency_key, fingerprint, route, state,
-                    version, completed_by, created_at, updated_at, expires_at, lease_until,
-                    lease_until_ns, revision)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $21, 1)
-                ON CONFLICT (owner, idempotency_key) DO NOTHING
-                RETURNING id
-            ), att AS (
-                INSERT INTO attempts (job_id, n, provider, state, read_version, started_at,
-                    finished_at, upstream_status, error)
-                SELECT ins.id, t.* FROM ins, unnest($13::integer[], $14::text[], $15::text[],
-                    $16::bigint[], $17::timestamptz[], $18::timestamptz[], $19::integer[],
-                    $20::text[]) AS t
-            )
-            SELECT (SELECT count(*) FROM ins) AS created, x.*
-            FROM (SELECT 1) AS one
-            LEFT JOIN LATERAL ({}) AS x ON NOT EXISTS (SELECT 1 FROM ins)",
-            select_record("j.owner = $2 AND j.idempotency_key = $3")
-        );
-        let statement = client.prepare_cached(&sql).await.map_err(unavailable)?;
+        let statement = client.prepare_cached(&CLAIM).await.map_err(unavailable)?;
         let job = &record.job;
         let a = AttemptColumns::of(&record.attempts);
         let rows = client
@@ -591,10 +597,7 @@ impl JobStore for PostgresStore {
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
         let client = self.client().await?;
-        let statement = client
-            .prepare_cached(&select_record("j.owner = $1 AND j.idempotency_key = $2"))
-            .await
-            .map_err(unavailable)?;
+        let statement = client.prepare_cached(&BY_KEY).await.map_err(unavailable)?;
         let rows = client
             .query(&statement, &[&owner, &key])
             .await
