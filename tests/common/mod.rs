@@ -465,8 +465,8 @@ pub fn comparable_headers(reply: &Reply) -> HashMap<String, String> {
 }
 
 /// Sends one keyed POST to `base` in the background, for a request the test cuts off (by
-/// killing the gateway that runs it); its answer, if any, is ignored.
-pub fn post_in_background(base: &str, key: &'static str) -> tokio::task::JoinHandle<()> {
+/// killing the gateway that runs it); its status, if an answer came.
+pub fn post_in_background(base: &str, key: &'static str) -> tokio::task::JoinHandle<Option<u16>> {
     let url = format!("{base}/v1/chat/completions");
     tokio::spawn(async move {
         let request = Request::post(url)
@@ -474,7 +474,11 @@ pub fn post_in_background(base: &str, key: &'static str) -> tokio::task::JoinHan
             .header("idempotency-key", key)
             .body(Full::new(chat_request()))
             .unwrap();
-        let _ = client().request(request).await;
+        client()
+            .request(request)
+            .await
+            .ok()
+            .map(|r| r.status().as_u16())
     })
 }
 

@@ -170,6 +170,29 @@ async fn doomed_gateway(
     spawn_gateway(&file, port, admin_port).await
 }
 
+/// Posts `key` to the doomed gateway until its attempt is with the provider: the held call
+/// and the request that waits for it. A gateway process just started may refuse the first
+/// request (its store not yet answering within `op_timeout` on a loaded machine: a 503,
+/// and nothing sent upstream), so a request that is answered before any call arrives is
+/// sent again, a bounded number of times.
+async fn cut_mid_attempt(
+    doomed: &Process,
+    key: &'static str,
+    provider: &mut HeldProvider,
+) -> (HeldCall, tokio::task::JoinHandle<Option<u16>>) {
+    let mut cut = post_in_background(&doomed.base, key);
+    for _ in 0..5 {
+        tokio::select! {
+            call = provider.next_call() => return (call, cut),
+            answered = &mut cut => {
+                eprintln!("the doomed gateway answered {answered:?} before calling; sending again");
+                cut = post_in_background(&doomed.base, key);
+            }
+        }
+    }
+    panic!("the doomed gateway never called the provider");
+}
+
 /// A gateway process on `store` (its `[store]` lines) is killed (-9) while its attempt is
 /// with the provider; another gateway (on `survivor`) finds the job `unknown` and never
 /// calls the provider again.
@@ -180,8 +203,7 @@ pub async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown(
     let mut provider = HeldProvider::start().await;
     let dir = tempfile::tempdir().unwrap();
     let mut doomed = doomed_gateway(dir.path(), store, "300ms", &provider.url()).await;
-    let cut = post_in_background(&doomed.base, "k-killed");
-    let _held = provider.next_call().await;
+    let (_held, cut) = cut_mid_attempt(&doomed, "k-killed", &mut provider).await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
     let _ = bounded("the cut request", cut).await;
@@ -219,8 +241,7 @@ pub async fn an_orphan_of_kill_9_is_listed_unknown_by_another_gateway(
     )
     .await;
     let mut doomed = doomed_gateway(dir.path(), store, "1s", &provider.url()).await;
-    let cut = post_in_background(&doomed.base, "k-orphan");
-    let _held = provider.next_call().await;
+    let (_held, cut) = cut_mid_attempt(&doomed, "k-orphan", &mut provider).await;
     doomed.child.kill().unwrap();
     doomed.child.wait().unwrap();
     let killed_at = tokio::time::Instant::now();
