@@ -69,7 +69,9 @@ impl PendingBody {
         }
         let reservation = &mut self.reservation;
         let read = async {
-            let mut buf = bytes::BytesMut::new();
+            // A declared length is already reserved: one buffer of that size, not a chain of
+            // doublings whose freed predecessors the allocator may keep resident.
+            let mut buf = bytes::BytesMut::with_capacity(declared.map_or(0, |len| len as usize));
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|_| Cause::UnreadableBody)?;
                 if let Ok(data) = frame.into_data() {
