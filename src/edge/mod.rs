@@ -76,7 +76,9 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
         ))
         .service_fn(move |request: Request<Body>| {
             let gateway = gateway.clone();
-            async move { Ok::<_, Infallible>(gateway.handle(request).await) }
+            // Boxed where it is made: the request path's state machine is kilobytes, and
+            // each layer above would otherwise copy it into its own future.
+            Box::pin(async move { Ok::<_, Infallible>(gateway.handle(request).await) })
         });
     let service = ServiceBuilder::new()
         // First, so that every answer — shed, timed out, panicked — carries an id: the

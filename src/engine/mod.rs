@@ -240,6 +240,9 @@ impl Engine {
         F::Output: Send + 'static,
     {
         let killed = self.killed.clone();
+        // Boxed once here: a round's or an attempt's state machine is kilobytes, and unboxed
+        // it was copied by every wrapper and again into the task's cell.
+        let task = Box::pin(task);
         self.tasks
             .spawn(async move { killed.run_until_cancelled(task).await })
     }
