@@ -15,9 +15,9 @@ impl RedisStore {
         };
         let keys = self.keys(tag);
         let (head, chunks, end) = (
-            format!("{}shead:{id}", keys.stream),
-            format!("{}schunks:{id}", keys.stream),
-            format!("{}send:{id}", keys.stream),
+            keys.stream("shead", id),
+            keys.stream("schunks", id),
+            keys.stream("send", id),
         );
         let mut pipe = redis::pipe();
         match update {
@@ -55,10 +55,7 @@ impl RedisStore {
                     .ignore();
             }
         }
-        pipe.cmd("PUBLISH")
-            .arg(format!("{}{id}", keys.chan))
-            .arg(0)
-            .ignore();
+        pipe.cmd("PUBLISH").arg(keys.chan(id)).arg(0).ignore();
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         pipe.query_async::<()>(&mut connection)
@@ -77,10 +74,10 @@ impl RedisStore {
         let keys = self.keys(tag);
         // The end marker is read first: whatever chunks preceded it are then in the list.
         let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(format!("{}send:{id}", keys.stream));
-        pipe.cmd("GET").arg(format!("{}shead:{id}", keys.stream));
+        pipe.cmd("GET").arg(keys.stream("send", id));
+        pipe.cmd("GET").arg(keys.stream("shead", id));
         pipe.cmd("LRANGE")
-            .arg(format!("{}schunks:{id}", keys.stream))
+            .arg(keys.stream("schunks", id))
             .arg(from)
             .arg(-1);
         let mut connection = self.connection.clone();

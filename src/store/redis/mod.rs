@@ -211,11 +211,7 @@ impl RedisStore {
 
     fn keys(&self, tag: &str) -> Keys {
         Keys {
-            job: format!("{}:{{{tag}}}:job:", self.prefix),
-            resp: format!("{}:{{{tag}}}:resp:", self.prefix),
-            claim: format!("{}:{{{tag}}}:claim:", self.prefix),
-            chan: format!("{}:{{{tag}}}:chan:", self.prefix),
-            stream: format!("{}:{{{tag}}}:", self.prefix),
+            base: format!("{}:{{{tag}}}:", self.prefix),
         }
     }
 
@@ -272,7 +268,14 @@ impl RedisStore {
             .cloned()
     }
 
-    fn remember(&self, id: &str, rev: u64, mut record: JobRecord) {
+    fn remember(&self, id: &str, rev: u64, record: &JobRecord) {
+        if matches!(record.job.state, JobState::Succeeded | JobState::Cancelled) {
+            // Final: nothing but a rare late loser applies to it again, and a miss only
+            // costs a read. Kept, they crowded out the jobs in flight that the cache is for.
+            self.forget(id);
+            return;
+        }
+        let mut record = record.clone();
         record.job.response = None;
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= CACHE_LIMIT && !cache.contains_key(id) {
@@ -303,11 +306,8 @@ impl RedisStore {
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         let mut pipe = redis::pipe();
-        pipe.cmd("HMGET")
-            .arg(format!("{}{id}", keys.job))
-            .arg("rev")
-            .arg("blob");
-        pipe.cmd("GET").arg(format!("{}{id}", keys.resp));
+        pipe.cmd("HMGET").arg(keys.job(id)).arg("rev").arg("blob");
+        pipe.cmd("GET").arg(keys.resp(id));
         let ((rev, blob), resp): (RawJob, Option<Vec<u8>>) = pipe
             .query_async(&mut connection)
             .await
@@ -332,12 +332,42 @@ impl RedisStore {
 type RawJob = (Option<u64>, Option<Vec<u8>>);
 
 struct Keys {
-    job: String,
-    resp: String,
-    claim: String,
-    chan: String,
-    /// Prefix of a mirrored stream's keys (`shead:`, `schunks:`, `send:` follow).
-    stream: String,
+    /// `<prefix>:{<tag>}:`, which every key of one job starts with.
+    base: String,
+}
+
+impl Keys {
+    fn key(&self, kind: &str, name: &str) -> String {
+        let mut key = String::with_capacity(self.base.len() + kind.len() + name.len());
+        key.push_str(&self.base);
+        key.push_str(kind);
+        key.push_str(name);
+        key
+    }
+
+    /// The job's record; `job("")` is the prefix a script appends an id to.
+    fn job(&self, id: &str) -> String {
+        self.key("job:", id)
+    }
+
+    fn resp(&self, id: &str) -> String {
+        self.key("resp:", id)
+    }
+
+    fn claim(&self, digest: &str) -> String {
+        self.key("claim:", digest)
+    }
+
+    fn chan(&self, id: &str) -> String {
+        self.key("chan:", id)
+    }
+
+    /// A mirrored stream's keys: `shead`, `schunks`, `send`.
+    fn stream(&self, part: &str, id: &str) -> String {
+        let mut key = self.key(part, ":");
+        key.push_str(id);
+        key
+    }
 }
 
 #[async_trait]
@@ -347,16 +377,12 @@ impl JobStore for RedisStore {
         let tag = shard_tag(&id)
             .ok_or_else(|| unavailable(format!("job id {id} carries no shard tag")))?;
         let keys = self.keys(tag);
-        let claim_key = format!(
-            "{}{}",
-            keys.claim,
-            claim_digest(&record.job.owner, &record.job.key)
-        );
+        let claim_key = keys.claim(&claim_digest(&record.job.owner, &record.job.key));
         let blob = encode(&record);
         let ttl = Self::ttl_ms(&record, now);
         let lease = millis(record.job.lease_until);
         let mut invocation = self.claim.prepare_invoke();
-        invocation.key(&claim_key).key(format!("{}{id}", keys.job));
+        invocation.key(&claim_key).key(keys.job(&id));
         if !self.cluster {
             invocation.key(self.in_progress_index());
         }
@@ -364,8 +390,8 @@ impl JobStore for RedisStore {
             .arg(&id)
             .arg(&blob)
             .arg(ttl)
-            .arg(&keys.job)
-            .arg(&keys.resp)
+            .arg(keys.job(""))
+            .arg(keys.resp(""))
             .arg(lease);
         let reply = self.invoke(invocation).await?;
         let found: (
@@ -381,7 +407,7 @@ impl JobStore for RedisStore {
         if found.0 == 1 {
             self.wait_for_replicas(&claim_key).await?;
             self.index_created(&id, lease).await;
-            self.remember(&id, 1, record.clone());
+            self.remember(&id, 1, &record);
             return Ok(Claim::Created(record));
         }
         let (_, Some(existing_id), Some(rev), Some(existing_blob), resp) = found else {
@@ -393,13 +419,13 @@ impl JobStore for RedisStore {
                 .filter(|r| !r.is_empty())
                 .map(|r| decode(&r))
                 .transpose()?;
-            self.remember(&existing_id, rev, existing.clone());
+            self.remember(&existing_id, rev, &existing);
             return Ok(Claim::Existing(Self::with_answer(existing, response)));
         }
         // Expired by the caller's clock but not yet by Redis's TTL: replace it, if the claim
         // still names it.
         let mut invocation = self.replace.prepare_invoke();
-        invocation.key(&claim_key).key(format!("{}{id}", keys.job));
+        invocation.key(&claim_key).key(keys.job(&id));
         if !self.cluster {
             invocation.key(self.in_progress_index());
         }
@@ -407,8 +433,8 @@ impl JobStore for RedisStore {
             .arg(&id)
             .arg(&blob)
             .arg(ttl)
-            .arg(&keys.job)
-            .arg(&keys.resp)
+            .arg(keys.job(""))
+            .arg(keys.resp(""))
             .arg(&existing_id)
             .arg(lease);
         let replaced: Vec<i64> =
@@ -416,7 +442,7 @@ impl JobStore for RedisStore {
         if replaced.first() == Some(&1) {
             self.index_created(&id, lease).await;
             self.forget(&existing_id);
-            self.remember(&id, 1, record.clone());
+            self.remember(&id, 1, &record);
             Ok(Claim::Created(record))
         } else {
             Box::pin(self.claim(record, now)).await
@@ -425,7 +451,7 @@ impl JobStore for RedisStore {
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         Ok(self.fetch(id).await?.map(|(rev, record, response)| {
-            self.remember(id, rev, record.clone());
+            self.remember(id, rev, &record);
             Self::with_answer(record, response)
         }))
     }
@@ -458,15 +484,11 @@ impl JobStore for RedisStore {
                 Vec::new()
             };
             let response_blob = response.as_ref().map(encode).unwrap_or_default();
-            let claim_key = format!(
-                "{}{}",
-                keys.claim,
-                claim_digest(&next.job.owner, &next.job.key)
-            );
+            let claim_key = keys.claim(&claim_digest(&next.job.owner, &next.job.key));
             let mut invocation = self.apply.prepare_invoke();
             invocation
-                .key(format!("{}{id}", keys.job))
-                .key(format!("{}{id}", keys.resp))
+                .key(keys.job(id))
+                .key(keys.resp(id))
                 .key(&claim_key);
             if !self.cluster {
                 invocation
@@ -478,7 +500,7 @@ impl JobStore for RedisStore {
                 .arg(&blob)
                 .arg(Self::ttl_ms(&next, now))
                 .arg(&response_blob)
-                .arg(format!("{}{id}", keys.chan))
+                .arg(keys.chan(id))
                 .arg(id)
                 .arg(Self::index_op(&next));
             let reply: (i64, Option<u64>, Option<Vec<u8>>) = match self.invoke(invocation).await? {
@@ -500,7 +522,7 @@ impl JobStore for RedisStore {
                         self.wait_for_replicas(&claim_key).await?;
                         self.index_outside(id, &record, &next).await;
                     }
-                    self.remember(id, new_rev, next.clone());
+                    self.remember(id, new_rev, &next);
                     let record = if next.job.state == JobState::Succeeded && response.is_none() {
                         // The answer was stored by an earlier transition: read it back.
                         self.fetch(id)
@@ -615,7 +637,7 @@ impl JobStore for RedisStore {
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         let id: Option<String> = redis::cmd("GET")
-            .arg(format!("{}{digest}", keys.claim))
+            .arg(keys.claim(&digest))
             .query_async(&mut connection)
             .await
             .map_err(unavailable)?;
