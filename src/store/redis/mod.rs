@@ -75,7 +75,7 @@ const FALLBACK_POLL: Duration = Duration::from_millis(250);
 /// How long a mirrored stream outlives its last update: duplicates elsewhere read it while
 /// it is live; once the job settles they replay the stored answer instead.
 const MIRROR_TTL_MS: u64 = 10 * 60 * 1000;
-/// Records kept for the jobs this gateway touched recently; a miss costs one extra read.
+/// Records of the jobs in flight that this gateway touched; a miss costs one extra read.
 const CACHE_LIMIT: usize = 10_000;
 /// Retries of a transition whose record changed underneath it.
 const CAS_RETRIES: usize = 16;
@@ -269,9 +269,10 @@ impl RedisStore {
     }
 
     fn remember(&self, id: &str, rev: u64, record: &JobRecord) {
-        if matches!(record.job.state, JobState::Succeeded | JobState::Cancelled) {
-            // Final: nothing but a rare late loser applies to it again, and a miss only
-            // costs a read. Kept, they crowded out the jobs in flight that the cache is for.
+        if record.job.state != JobState::InProgress {
+            // The cache is for the jobs in flight, whose next transition is near. Anything
+            // else is applied to again rarely (a late answer, a retry's re-open, a cancel)
+            // and a miss only costs a read; kept, such jobs crowded out the ones in flight.
             self.forget(id);
             return;
         }
