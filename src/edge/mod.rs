@@ -23,7 +23,9 @@ use http::{Request, Response};
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder};
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tracing::info;
 
 use crate::body::{Body, BoxError};
@@ -83,7 +85,7 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
     let service = ServiceBuilder::new()
         // First, so that every answer — shed, timed out, panicked — carries an id: the
         // client's own `X-Request-Id`, or a new one.
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(SetRequestIdLayer::x_request_id(MakeUuid))
         // Echoes the id on every response, including the ones the layers below make.
         .layer(PropagateRequestIdLayer::x_request_id())
         // Sees the final status of everything below, so no request goes unlogged; it also
@@ -92,6 +94,19 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
             inner: BoxCloneService::new(limited),
         });
     BoxCloneService::new(service)
+}
+
+/// A random (v4) UUID for a request that brings no id, written straight into its header
+/// value: tower-http's `MakeRequestUuid` formats it into a `String` first and parses that.
+#[derive(Clone, Copy)]
+struct MakeUuid;
+
+impl MakeRequestId for MakeUuid {
+    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+        let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut text);
+        http::HeaderValue::from_str(text).ok().map(RequestId::new)
+    }
 }
 
 /// One access-log line per request at info, with what an operator greps for.
@@ -161,5 +176,32 @@ impl Service<Request<Body>> for AccessLog {
             );
             Ok(response)
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn made_request_ids_are_distinct_v4_uuids() {
+        let request = Request::new(());
+        let mut make = MakeUuid;
+        let ids: Vec<String> = (0..2)
+            .map(|_| {
+                let id = make.make_request_id(&request).expect("an id");
+                id.header_value().to_str().unwrap().to_owned()
+            })
+            .collect();
+        assert_ne!(ids[0], ids[1]);
+        for id in &ids {
+            let parsed = uuid::Uuid::parse_str(id).expect("a UUID");
+            assert_eq!(parsed.get_version_num(), 4);
+            assert_eq!(
+                id,
+                &parsed.hyphenated().to_string(),
+                "lower-case, hyphenated"
+            );
+        }
     }
 }
