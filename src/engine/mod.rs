@@ -385,7 +385,7 @@ impl Engine {
             let store_failed = |e| Outcome::refused(&id, Cause::Store(e));
             match record.classify(fingerprint, now) {
                 Found::Conflict => return Outcome::refused(&id, Cause::KeyReused),
-                Found::Replay => return replay(&record),
+                Found::Replay => return replay(record),
                 Found::Unknown => return Outcome::refused(&id, Cause::Unknown),
                 Found::LeaseLapsed => {
                     let version = record.job.version;
@@ -551,7 +551,7 @@ impl Engine {
             Err(e) => return Outcome::refused(id, Cause::Store(e)),
         };
         let cause = match record.job.state {
-            JobState::Succeeded => return replay(&record),
+            JobState::Succeeded => return replay(record),
             JobState::Cancelled => Cause::Cancelled,
             JobState::Unknown => Cause::Unknown,
             JobState::Failed => Cause::Failed,
@@ -610,9 +610,10 @@ fn next_ordinal(record: &JobRecord) -> u32 {
 }
 
 /// A settled job's stored answer, or why there is none to give.
-fn replay(record: &JobRecord) -> Outcome {
-    let job = &record.job;
-    let Some(response) = &job.response else {
+fn replay(record: JobRecord) -> Outcome {
+    let JobRecord { job, attempts } = record;
+    // Moved out, not cloned: a stored answer's headers are a string each.
+    let Some(response) = job.response else {
         return Outcome::refused(
             &job.id,
             Cause::Internal("a settled job has no stored answer".into()),
@@ -623,11 +624,11 @@ fn replay(record: &JobRecord) -> Outcome {
     }
     let (n, provider) = job
         .completed_by
-        .and_then(|n| record.attempt(n))
-        .map_or((0, String::new()), |a| (a.n, a.provider.clone()));
+        .and_then(|n| attempts.into_iter().find(|a| a.n == n))
+        .map_or((0, String::new()), |a| (a.n, a.provider));
     Outcome::Answer {
-        job_id: Some(job.id.clone()),
-        response: response.clone(),
+        job_id: Some(job.id),
+        response,
         n,
         provider,
         replayed: true,
