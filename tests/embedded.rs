@@ -391,7 +391,6 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_the_sweep_with_no_request
         ),
     )
     .unwrap();
-    let client = client();
     let mut gateway = spawn_gateway(&config, port, admin_port).await;
     let in_flight = post_in_background(&gateway.base, "k-orphan");
     let _held = provider.next_call().await;
@@ -403,44 +402,12 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_the_sweep_with_no_request
 
     // The gateway comes back; nobody asks for the key. Its sweep finds the orphan.
     let gateway = spawn_gateway(&config, port, admin_port).await;
-    let auth = format!("Bearer {ADMIN_TOKEN}");
-    let deadline = killed_at + Duration::from_secs(1 + 10);
-    loop {
-        let listed = send(
-            &client,
-            Method::GET,
-            &format!("{}/jobs?state=unknown", gateway.admin),
-            &[("authorization", &auth)],
-            Bytes::new(),
-        )
-        .await
-        .json();
-        if listed["jobs"]
-            .as_array()
-            .is_some_and(|jobs| jobs.len() == 1)
-        {
-            assert_eq!(listed["jobs"][0]["job"]["key"], "k-orphan");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not listed unknown within lease + 10 s: {listed}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!(
-        "orphan listed unknown {:?} after the kill",
-        killed_at.elapsed()
-    );
-    let metrics = send(
-        &client,
-        Method::GET,
-        &format!("{}/metrics", gateway.admin),
-        &[],
-        Bytes::new(),
+    wait_orphan_listed_unknown(
+        &gateway.admin,
+        "k-orphan",
+        Duration::from_secs(1),
+        killed_at,
     )
     .await;
-    let text = String::from_utf8_lossy(&metrics.body);
-    assert!(text.contains("idemgate_jobs_unknown 1"), "{text}");
     assert_eq!(provider.calls(), 1);
 }

@@ -102,6 +102,57 @@ impl Reply {
     }
 }
 
+/// Polls the admin API at `admin` until it lists exactly one job `unknown`, the one of
+/// `key`, and that no later than `lease` + 10 s after `killed_at`; then checks the gauge.
+/// For the gateways killed (-9) mid-attempt, whose orphans only a lease sweep can find.
+pub async fn wait_orphan_listed_unknown(
+    admin: &str,
+    key: &str,
+    lease: Duration,
+    killed_at: tokio::time::Instant,
+) {
+    let client = client();
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let deadline = killed_at + lease + Duration::from_secs(10);
+    loop {
+        let listed = send(
+            &client,
+            Method::GET,
+            &format!("{admin}/jobs?state=unknown"),
+            &[("authorization", &auth)],
+            Bytes::new(),
+        )
+        .await
+        .json();
+        if listed["jobs"]
+            .as_array()
+            .is_some_and(|jobs| jobs.len() == 1)
+        {
+            assert_eq!(listed["jobs"][0]["job"]["key"], key);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not listed unknown within lease + 10 s: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "orphan listed unknown {:?} after the kill",
+        killed_at.elapsed()
+    );
+    let metrics = send(
+        &client,
+        Method::GET,
+        &format!("{admin}/metrics"),
+        &[],
+        Bytes::new(),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("idemgate_jobs_unknown 1"), "{text}");
+}
+
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
 }

@@ -247,27 +247,12 @@ pub async fn an_orphan_of_kill_9_is_listed_unknown_by_another_gateway(
     let killed_at = tokio::time::Instant::now();
     let _ = bounded("the cut request", cut).await;
 
-    let deadline = killed_at + Duration::from_secs(1 + 10);
-    loop {
-        let listed = survivor.admin_get("/jobs?state=unknown").await.json();
-        if listed["jobs"]
-            .as_array()
-            .is_some_and(|jobs| jobs.len() == 1)
-        {
-            assert_eq!(listed["jobs"][0]["job"]["key"], "k-orphan");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not listed unknown within lease + 10 s: {listed}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!(
-        "orphan listed unknown {:?} after the kill",
-        killed_at.elapsed()
-    );
-    let metrics = survivor.admin_get("/metrics").await;
-    assert!(String::from_utf8_lossy(&metrics.body).contains("idemgate_jobs_unknown 1"));
+    wait_orphan_listed_unknown(
+        &survivor.admin,
+        "k-orphan",
+        Duration::from_secs(1),
+        killed_at,
+    )
+    .await;
     assert_eq!(provider.calls(), 1, "never a second upstream call");
 }
