@@ -47,6 +47,15 @@ pub enum RequestOutcome {
 }
 
 impl RequestOutcome {
+    const ALL: [Self; 6] = [
+        Self::New,
+        Self::Replayed,
+        Self::Conflict,
+        Self::InProgress,
+        Self::Unknown,
+        Self::Error,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::New => "new",
@@ -59,9 +68,44 @@ impl RequestOutcome {
     }
 }
 
+/// Attempt results, as counted.
+const RESULTS: [&str; 6] = [
+    "succeeded",
+    "failed",
+    "unknown",
+    "lost_race",
+    "contract_rejected",
+    "cancelled",
+];
+
+/// Store operations, as timed.
+const OPERATIONS: [&str; 3] = ["claim", "apply", "get"];
+
+/// The series every job touches, looked up once when the engine starts: a lookup in a
+/// family allocates its label strings, hashes them and takes the family's lock, five times
+/// per new job. Anything not resolved here (a name no config holds) is still counted
+/// through its family.
+#[derive(Debug, Default)]
+struct Resolved {
+    /// By route name: one counter per [`RequestOutcome`], in `RequestOutcome::ALL` order.
+    routes: Vec<(String, [Counter; 6])>,
+    providers: Vec<ProviderSeries>,
+    /// In [`OPERATIONS`] order.
+    store: Vec<Histogram>,
+}
+
+#[derive(Debug)]
+struct ProviderSeries {
+    name: String,
+    upstream: Histogram,
+    /// In [`RESULTS`] order.
+    attempts: [Counter; RESULTS.len()],
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    resolved: Resolved,
     requests: Family<RequestLabels, Counter>,
     attempts: Family<AttemptLabels, Counter>,
     races_lost: Family<ProviderLabels, Counter>,
@@ -164,6 +208,7 @@ impl Default for Metrics {
             leases_expired.clone(),
         );
         Self {
+            resolved: Resolved::default(),
             leases_expired,
             unprotected,
             panics,
@@ -182,7 +227,77 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Metrics whose series for these routes, providers and store operations exist from the
+    /// start (at zero) and are counted without a lookup.
+    pub fn new<'a>(
+        routes: impl IntoIterator<Item = &'a str>,
+        providers: impl IntoIterator<Item = &'a str>,
+    ) -> Self {
+        let mut metrics = Self::default();
+        let routes = routes
+            .into_iter()
+            .map(|route| {
+                let counters = RequestOutcome::ALL.map(|outcome| {
+                    metrics
+                        .requests
+                        .get_or_create(&RequestLabels {
+                            route: route.to_owned(),
+                            outcome: outcome.as_str().to_owned(),
+                        })
+                        .clone()
+                });
+                (route.to_owned(), counters)
+            })
+            .collect();
+        let providers = providers
+            .into_iter()
+            .map(|provider| ProviderSeries {
+                name: provider.to_owned(),
+                upstream: metrics
+                    .upstream_seconds
+                    .get_or_create(&ProviderLabels {
+                        provider: provider.to_owned(),
+                    })
+                    .clone(),
+                attempts: RESULTS.map(|result| {
+                    metrics
+                        .attempts
+                        .get_or_create(&AttemptLabels {
+                            provider: provider.to_owned(),
+                            result: result.to_owned(),
+                        })
+                        .clone()
+                }),
+            })
+            .collect();
+        let store = OPERATIONS
+            .iter()
+            .map(|operation| {
+                metrics
+                    .store_seconds
+                    .get_or_create(&OperationLabels {
+                        operation: (*operation).to_owned(),
+                    })
+                    .clone()
+            })
+            .collect();
+        metrics.resolved = Resolved {
+            routes,
+            providers,
+            store,
+        };
+        metrics
+    }
+
+    fn provider(&self, name: &str) -> Option<&ProviderSeries> {
+        self.resolved.providers.iter().find(|p| p.name == name)
+    }
+
     pub fn request(&self, route: &str, outcome: RequestOutcome) {
+        if let Some((_, counters)) = self.resolved.routes.iter().find(|(r, _)| r == route) {
+            counters[outcome as usize].inc();
+            return;
+        }
         self.requests
             .get_or_create(&RequestLabels {
                 route: route.to_owned(),
@@ -192,6 +307,11 @@ impl Metrics {
     }
 
     pub fn attempt(&self, provider: &str, result: &str) {
+        let index = RESULTS.iter().position(|r| *r == result);
+        if let (Some(series), Some(index)) = (self.provider(provider), index) {
+            series.attempts[index].inc();
+            return;
+        }
         self.attempts
             .get_or_create(&AttemptLabels {
                 provider: provider.to_owned(),
@@ -209,6 +329,10 @@ impl Metrics {
     }
 
     pub fn upstream(&self, provider: &str, took: Duration) {
+        if let Some(series) = self.provider(provider) {
+            series.upstream.observe(took.as_secs_f64());
+            return;
+        }
         self.upstream_seconds
             .get_or_create(&ProviderLabels {
                 provider: provider.to_owned(),
@@ -217,6 +341,11 @@ impl Metrics {
     }
 
     pub fn store(&self, operation: &str, took: Duration) {
+        let index = OPERATIONS.iter().position(|o| *o == operation);
+        if let Some(histogram) = index.and_then(|i| self.resolved.store.get(i)) {
+            histogram.observe(took.as_secs_f64());
+            return;
+        }
         self.store_seconds
             .get_or_create(&OperationLabels {
                 operation: operation.to_owned(),
@@ -271,5 +400,47 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_index_their_counters_in_order() {
+        for (i, outcome) in RequestOutcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, i);
+        }
+    }
+
+    #[test]
+    fn resolved_series_and_looked_up_ones_are_the_same_series() {
+        let metrics = Metrics::new(["chat"], ["primary"]);
+        let before = metrics.render(None, &[]);
+        assert!(
+            before.contains(r#"idemgate_requests_total{route="chat",outcome="replayed"} 0"#),
+            "{before}"
+        );
+        metrics.request("chat", RequestOutcome::Replayed);
+        metrics.request("other", RequestOutcome::New);
+        metrics.attempt("primary", "lost_race");
+        metrics.attempt("primary", "lost_race");
+        metrics.attempt("elsewhere", "failed");
+        metrics.upstream("primary", Duration::from_millis(3));
+        metrics.store("claim", Duration::from_millis(1));
+        metrics.store("expire", Duration::from_millis(1));
+        let text = metrics.render(None, &[]);
+        for line in [
+            r#"idemgate_requests_total{route="chat",outcome="replayed"} 1"#,
+            r#"idemgate_requests_total{route="other",outcome="new"} 1"#,
+            r#"idemgate_attempts_total{provider="primary",result="lost_race"} 2"#,
+            r#"idemgate_attempts_total{provider="elsewhere",result="failed"} 1"#,
+            r#"idemgate_upstream_seconds_count{provider="primary"} 1"#,
+            r#"idemgate_store_seconds_count{operation="claim"} 1"#,
+            r#"idemgate_store_seconds_count{operation="expire"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 }

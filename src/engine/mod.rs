@@ -154,7 +154,10 @@ impl Engine {
         let store = crate::store::timed::Timed::new(store, config.store.op_timeout);
         let engine = Arc::new(Self {
             breakers: Breakers::new(&config.providers),
-            metrics: Metrics::default(),
+            metrics: Metrics::new(
+                config.routes.iter().map(|r| r.name.as_str()),
+                config.providers.iter().map(|p| p.name.as_str()),
+            ),
             probes: Arc::new(ProbeResults::default()),
             streams: LiveStreams::default(),
             rounds: Mutex::new(HashMap::new()),

@@ -115,12 +115,10 @@ impl Indexed {
 }
 
 impl State {
-    fn insert(&mut self, record: JobRecord) {
+    /// Stores `record` under its identity `(owner, key)`, which the caller already built.
+    fn insert(&mut self, identity: (String, String), record: JobRecord) {
         let id = record.job.id.clone();
-        self.by_key.insert(
-            (record.job.owner.clone(), record.job.key.clone()),
-            id.clone(),
-        );
+        self.by_key.insert(identity, id.clone());
         self.reindex(&id, None, Some(Indexed::of(&record)));
         self.jobs.insert(id, Box::new(record));
     }
@@ -249,7 +247,7 @@ impl JobStore for MemoryStore {
                 ClaimRule::Replace | ClaimRule::Create => state.remove(&id),
             }
         }
-        state.insert(record.clone());
+        state.insert(index, record.clone());
         Ok(Claim::Created(record))
     }
 
@@ -370,11 +368,15 @@ mod tests {
     fn expiry_takes_only_what_is_due_in_bounded_slices() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
         let mut state = State::default();
+        let insert = |state: &mut State, record: JobRecord| {
+            let identity = (record.job.owner.clone(), record.job.key.clone());
+            state.insert(identity, record);
+        };
         for n in 0..2500 {
-            state.insert(record(n, t0));
+            insert(&mut state, record(n, t0));
         }
         let late = t0 + Duration::from_secs(3600);
-        state.insert(record(9999, late));
+        insert(&mut state, record(9999, late));
         assert_eq!(state.in_progress.len(), 2501);
 
         // Past the first jobs' retention + late window, before the last one's.
