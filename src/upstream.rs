@@ -227,40 +227,45 @@ pub fn set_provider_headers(
 pub struct ClientRequest {
     pub method: Method,
     pub path_and_query: String,
+    /// As the client sent them: what must not cross the gateway is dropped from each
+    /// provider's copy, so a request that is only replayed never pays for it.
     pub headers: HeaderMap,
     pub body: Bytes,
     /// The client's credential headers, kept from providers that use their own.
     pub credentials: Arc<[HeaderName]>,
+    /// The route's idempotency key header, which is the gateway's, not the provider's.
+    key_header: HeaderName,
 }
 
 impl ClientRequest {
-    /// Drops what must not cross the gateway: hop-by-hop headers, `Host` and
-    /// `Content-Length` (recomputed per provider) and the client's own idempotency key.
     pub fn new(
         method: Method,
         path_and_query: String,
-        mut headers: HeaderMap,
+        headers: HeaderMap,
         body: Bytes,
         key_header: &HeaderName,
     ) -> Self {
-        headers::strip_hop_by_hop(&mut headers);
-        headers.remove(http::header::HOST);
-        headers.remove(http::header::CONTENT_LENGTH);
-        headers.remove(key_header);
-        headers.remove(headers::IDEMPOTENCY_KEY);
         Self {
             method,
             path_and_query,
             headers,
             body,
             credentials: Arc::new([]),
+            key_header: key_header.clone(),
         }
     }
 
     /// The request for `provider`: its base URL, its headers, its `body_set` overrides, and
-    /// the job id as `Idempotency-Key` so a provider that dedupes can do so too.
+    /// the job id as `Idempotency-Key` so a provider that dedupes can do so too. Hop-by-hop
+    /// headers, `Host` and `Content-Length` (recomputed) and the client's own idempotency
+    /// key do not cross.
     pub fn for_provider(&self, provider: &Provider, job_id: Option<&str>) -> Request<Body> {
         let mut headers = self.headers.clone();
+        headers::strip_hop_by_hop(&mut headers);
+        headers.remove(http::header::HOST);
+        headers.remove(http::header::CONTENT_LENGTH);
+        headers.remove(&self.key_header);
+        headers.remove(headers::IDEMPOTENCY_KEY);
         set_provider_headers(&mut headers, provider, &self.credentials);
         if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
             headers.insert(headers::IDEMPOTENCY_KEY, id);
