@@ -21,8 +21,15 @@
 //!
 //! - `claims`: owner NUL key → job id (the identity index; owners are hex or `anonymous`
 //!   and keys visible ASCII, so NUL cannot appear in either).
-//! - `jobs`: job id → the job and its attempts (postcard), without the stored answer.
-//! - `responses`: job id → the stored answer, written once, when an attempt wins.
+//! - `job_rows`: row key → the job and its attempts (postcard), without the stored answer.
+//! - `response_rows`: row key → the stored answer, written once, when an attempt wins.
+//!
+//!   A row key is the job id with its time-ordered part first (see [`row_key`]). Ids begin
+//!   with a shard tag, a hash: keyed by id, every new job landed on a random page of the
+//!   B-tree, and a group commit of n jobs copied, checksummed and wrote n pages per table.
+//!   Keyed by time, a group's new jobs share the rightmost pages, and settles (of recent
+//!   jobs) land near them. Files written before keep `jobs` and `responses` keyed by id;
+//!   opening such a file moves their rows once, in the transaction that opens it.
 //! - `expiry`: (expires_at in ms, job id) → (), so the retention sweep finds expired jobs
 //!   without scanning, and does bounded work per tick.
 
@@ -42,8 +49,11 @@ use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition};
 
 const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
-const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
-const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses");
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("job_rows");
+const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("response_rows");
+/// The tables of files written before rows were keyed by time: id → the same values.
+const LEGACY_JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+const LEGACY_RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses");
 const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
 /// Ids of the jobs that are `unknown`: what an operator must resolve, without a scan.
 const UNKNOWN: TableDefinition<&str, ()> = TableDefinition::new("unknown");
@@ -146,7 +156,12 @@ impl EmbeddedStore {
             txn.open_table(IN_PROGRESS)
                 .map_err(|e| fail("cannot open table in_progress", &e))?;
         }
+        let moved = move_legacy_rows(&txn)
+            .map_err(|e| fail("cannot move its jobs to the time-ordered layout", &e))?;
         txn.commit().map_err(|e| fail("cannot write to it", &e))?;
+        if moved > 0 {
+            info!(path = %shown, jobs = moved, "embedded store: jobs moved to the time-ordered layout");
+        }
 
         let db = Arc::new(db);
         let changed = Arc::new(Changes::new());
@@ -287,16 +302,67 @@ impl EmbeddedStore {
         let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
         let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
         let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
-        let Some(bytes) = jobs.get(id).map_err(|e| self.unavailable(e))? else {
+        let Some(bytes) = jobs
+            .get(row_key(id).as_str())
+            .map_err(|e| self.unavailable(e))?
+        else {
             return Ok(None);
         };
         let mut record: JobRecord = decode(bytes.value())?;
         if record.job.state == JobState::Succeeded {
-            if let Some(bytes) = responses.get(id).map_err(|e| self.unavailable(e))? {
+            if let Some(bytes) = responses
+                .get(row_key(id).as_str())
+                .map_err(|e| self.unavailable(e))?
+            {
                 record.job.response = Some(decode(bytes.value())?);
             }
         }
         Ok(Some(record))
+    }
+}
+
+/// Moves the rows of a file written before rows were keyed by time into the current
+/// tables, and drops the old ones; returns how many jobs it moved.
+fn move_legacy_rows(txn: &redb::WriteTransaction) -> tables::TxResult<usize> {
+    use redb::{ReadableTable, TableHandle};
+    let present: Vec<String> = txn
+        .list_tables()?
+        .map(|table| table.name().to_owned())
+        .collect();
+    let mut moved = 0;
+    for (legacy, current) in [(LEGACY_JOBS, JOBS), (LEGACY_RESPONSES, RESPONSES)] {
+        if !present.iter().any(|name| name == legacy.name()) {
+            continue;
+        }
+        {
+            let from = txn.open_table(legacy)?;
+            let mut to = txn.open_table(current)?;
+            for row in from.iter()? {
+                let (id, value) = row?;
+                to.insert(row_key(id.value()).as_str(), value.value())?;
+                if legacy.name() == LEGACY_JOBS.name() {
+                    moved += 1;
+                }
+            }
+        }
+        txn.delete_table(legacy)?;
+    }
+    Ok(moved)
+}
+
+/// The key of a job's rows in `job_rows` and `response_rows`: `t`, the id's time-ordered
+/// part, then its shard tag — a permutation of the id, so lookups by id need no index. An
+/// id not minted by [`crate::job::new_job_id`] is kept whole behind `i`.
+fn row_key(id: &str) -> String {
+    match crate::job::shard_tag(id) {
+        Some(tag) if id.len() > 4 + crate::job::SHARD_TAG_LEN => {
+            let mut key = String::with_capacity(id.len());
+            key.push('t');
+            key.push_str(&id[4 + crate::job::SHARD_TAG_LEN..]);
+            key.push_str(tag);
+            key
+        }
+        _ => format!("i{id}"),
     }
 }
 
@@ -535,5 +601,132 @@ impl JobStore for EmbeddedStore {
             .begin_read()
             .map(drop)
             .map_err(|e| self.unavailable(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::{new_job_id, Effect};
+
+    const POLICY: ExpiryPolicy = ExpiryPolicy {
+        retention: Duration::from_secs(3600),
+        late_result_window: Duration::from_secs(600),
+    };
+
+    /// A job that won with `body`, as the store would hold it.
+    fn settled(owner: &str, key: &str, body: &'static str) -> JobRecord {
+        let now = crate::clock::now();
+        let mut record = JobRecord::new(
+            new_job_id(owner, key),
+            owner.into(),
+            key.into(),
+            "fp".into(),
+            "chat".into(),
+            now,
+            now + Duration::from_secs(30),
+            &POLICY,
+        );
+        let start = Transition::StartAttempt {
+            version: record.job.version,
+            n: 1,
+            provider: "p".into(),
+        };
+        assert!(matches!(
+            record.apply(start, now, &POLICY),
+            Ok(Effect::AttemptStarted { .. })
+        ));
+        let complete = Transition::Complete {
+            n: 1,
+            response: StoredResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: body.into(),
+                body_omitted: false,
+            },
+        };
+        assert!(matches!(
+            record.apply(complete, now, &POLICY),
+            Ok(Effect::Won)
+        ));
+        record
+    }
+
+    #[test]
+    fn row_keys_put_time_first_and_never_meet_other_ids() {
+        let id = new_job_id("owner", "key");
+        let key = row_key(&id);
+        let tag = crate::job::shard_tag(&id).expect("a minted id has a tag");
+        assert_eq!(key.len(), id.len() - 3);
+        assert!(key.starts_with('t'));
+        assert!(key.ends_with(tag));
+        assert_eq!(&key[1..key.len() - tag.len()], &id[4 + tag.len()..]);
+        // Same time part, other tags: keys of one instant sort together, apart by tag.
+        assert_ne!(row_key(&id), row_key(&new_job_id("owner", "other")));
+        assert_eq!(row_key("job_1"), "ijob_1");
+        assert_eq!(row_key("anything"), "ianything");
+    }
+
+    #[tokio::test]
+    async fn a_file_keyed_by_id_is_moved_once_to_time_ordered_rows() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("old.db");
+        let old = settled("owner", "k1", r#"{"old":true}"#);
+        let id = old.job.id.clone();
+        {
+            // The layout of earlier files: jobs and responses keyed by the id itself.
+            let db = Database::create(&path).expect("a database");
+            let txn = db.begin_write().expect("a write");
+            {
+                let mut row = old.clone();
+                let response = row.job.response.take().expect("an answer");
+                let mut jobs = txn.open_table(LEGACY_JOBS).unwrap();
+                jobs.insert(id.as_str(), encode(&row).as_slice()).unwrap();
+                let mut responses = txn.open_table(LEGACY_RESPONSES).unwrap();
+                responses
+                    .insert(id.as_str(), encode(&response).as_slice())
+                    .unwrap();
+                let mut claims = txn.open_table(CLAIMS).unwrap();
+                claims
+                    .insert(claim_key(&row).as_slice(), id.as_str())
+                    .unwrap();
+                let mut expiry = txn.open_table(EXPIRY).unwrap();
+                expiry
+                    .insert((millis(row.job.expires_at), id.as_str()), ())
+                    .unwrap();
+            }
+            txn.commit().unwrap();
+        }
+
+        for _ in 0..2 {
+            let store = EmbeddedStore::open(&path, POLICY).expect("the store opens");
+            let found = store.get(&id).await.unwrap().expect("the job was moved");
+            assert_eq!(found.job.state, JobState::Succeeded);
+            let answer = found.job.response.expect("with its answer");
+            assert_eq!(answer.body, r#"{"old":true}"#);
+            let by_identity = store.find("owner", "k1").await.unwrap();
+            assert_eq!(by_identity.map(|r| r.job.id), Some(id.clone()));
+            // The same intent again is the same job, replayed.
+            let retry = settled("owner", "k1", "never stored");
+            match store.claim(retry, crate::clock::now()).await.unwrap() {
+                Claim::Existing(existing) => assert_eq!(existing.job.id, id),
+                Claim::Created(_) => panic!("a moved job lost its identity"),
+            }
+        }
+
+        let db = Database::create(&path).expect("the file reopens");
+        let txn = db.begin_read().unwrap();
+        let names: Vec<String> = {
+            use redb::TableHandle;
+            txn.list_tables()
+                .unwrap()
+                .map(|t| t.name().to_owned())
+                .collect()
+        };
+        assert!(
+            !names.iter().any(|n| n == "jobs" || n == "responses"),
+            "{names:?}"
+        );
+        assert!(names.iter().any(|n| n == "job_rows"), "{names:?}");
     }
 }

@@ -56,7 +56,7 @@ impl<'t> Tables<'t> {
     }
 
     pub(super) fn load(&self, id: &str) -> TxResult<Option<JobRecord>> {
-        match self.jobs.get(id)? {
+        match self.jobs.get(row_key(id).as_str())? {
             None => Ok(None),
             Some(bytes) => Ok(Some(decode(bytes.value())?)),
         }
@@ -64,7 +64,7 @@ impl<'t> Tables<'t> {
 
     pub(super) fn with_response(&self, mut record: JobRecord) -> TxResult<JobRecord> {
         if record.job.state == JobState::Succeeded && record.job.response.is_none() {
-            if let Some(bytes) = self.responses.get(record.job.id.as_str())? {
+            if let Some(bytes) = self.responses.get(row_key(&record.job.id).as_str())? {
                 record.job.response = Some(decode::<StoredResponse>(bytes.value())?);
             }
         }
@@ -82,9 +82,10 @@ impl<'t> Tables<'t> {
         let response = record.job.response.take();
         if let Some(response) = &response {
             self.responses
-                .insert(id.as_str(), encode(response).as_slice())?;
+                .insert(row_key(&id).as_str(), encode(response).as_slice())?;
         }
-        self.jobs.insert(id.as_str(), encode(&record).as_slice())?;
+        self.jobs
+            .insert(row_key(&id).as_str(), encode(&record).as_slice())?;
         if let Some(previous) = previous_expiry {
             self.expiry.remove((millis(previous), id.as_str()))?;
         }
@@ -107,8 +108,8 @@ impl<'t> Tables<'t> {
 
     pub(super) fn delete(&mut self, record: &JobRecord) -> TxResult<()> {
         let id = record.job.id.as_str();
-        self.jobs.remove(id)?;
-        self.responses.remove(id)?;
+        self.jobs.remove(row_key(id).as_str())?;
+        self.responses.remove(row_key(id).as_str())?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
         self.in_progress.remove(id)?;
