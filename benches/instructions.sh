@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Instructions per request, counted by valgrind's callgrind: the same binary and load give
+# the same count whatever else the machine is doing, so a change of a few percent shows even
+# where wall-clock CPU time moves by ±20 % between runs (benches/overhead.sh).
+#
+#     benches/instructions.sh               # new job and replay, memory store, ~1 minute
+#     STORE=embedded benches/instructions.sh
+#
+# Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
+# thread, 4 connections); the difference of the two totals over the difference of their
+# request counts leaves out start-up and shutdown. Under valgrind SHA-256 runs its portable
+# code (valgrind hides the CPU's SHA extensions), so hashing weighs more here than natively.
+# For a per-function breakdown, build with line tables and keep the output files:
+#
+#     CARGO_PROFILE_RELEASE_DEBUG=line-tables-only KEEP=/tmp/ir benches/instructions.sh
+#     callgrind_annotate --inclusive=yes /tmp/ir/fresh-long.out | less
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STORE="${STORE:-memory}"
+SHORT="${SHORT:-2}"
+LONG="${LONG:-8}"
+
+need() {
+  command -v "$1" >/dev/null && return
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
+need wrk wrk
+need valgrind valgrind
+
+cargo build -q --release --bin idemgate --example mock_provider
+target_dir="${CARGO_TARGET_DIR:-target}"
+gateway_bin="$target_dir/release/idemgate"
+provider_bin="$target_dir/release/examples/mock_provider"
+
+work="$(mktemp -d)"
+keep="${KEEP:-$work}"
+mkdir -p "$keep"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+wait_port() {
+  for _ in $(seq 1 400); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nothing listens on $1" >&2
+  return 1
+}
+
+export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
+provider_port="$(free_port)"
+"$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
+pids+=($!)
+wait_port "$provider_port"
+
+# run MODE SECONDS OUT: one gateway under callgrind, one load; prints "requests instructions".
+run() {
+  local mode="$1" seconds="$2" out="$3" port table gw result
+  port="$(free_port)"
+  case "$STORE" in
+    memory) table='kind = "memory"' ;;
+    embedded) table="kind = \"embedded\"
+path = \"$work/ir-$RANDOM.db\"" ;;
+    *) echo "STORE is memory or embedded" >&2; exit 2 ;;
+  esac
+  cat >"$work/gw.toml" <<CONF
+[server]
+listen = "127.0.0.1:$port"
+[store]
+$table
+[[providers]]
+name = "p"
+base_url = "http://127.0.0.1:$provider_port"
+[[routes]]
+name = "chat"
+path_prefix = "/v1"
+providers = ["p"]
+CONF
+  RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \
+    "$gateway_bin" --config "$work/gw.toml" >"$work/gw.log" 2>&1 &
+  gw=$!
+  wait_port "$port"
+  result="$(KEY_MODE="$mode" KEY_PREFIX="ir$RANDOM$RANDOM" \
+    wrk -t1 -c4 -d"${seconds}s" -s benches/wrk.lua "http://127.0.0.1:$port/v1/chat/completions" |
+    grep '^RESULT')"
+  kill "$gw"
+  wait "$gw" 2>/dev/null || true
+  local requests errors
+  requests="$(sed -n 's/.* requests=\([0-9]*\).*/\1/p' <<<"$result")"
+  errors="$(sed -n 's/.* errors=\([0-9]*\).*/\1/p' <<<"$result")"
+  if [[ "$errors" != 0 ]]; then
+    echo "$errors requests failed: $result" >&2
+    exit 1
+  fi
+  echo "$requests $(awk '/^(summary|totals):/{print $2; exit}' "$out")"
+}
+
+printf "%-22s %14s %10s\n" "$STORE store" "instr/request" "requests"
+for mode in fresh fixed; do
+  read -r n1 i1 < <(run "$mode" "$SHORT" "$keep/$mode-short.out")
+  read -r n2 i2 < <(run "$mode" "$LONG" "$keep/$mode-long.out")
+  name="new job"
+  [[ "$mode" == fixed ]] && name="replay"
+  awk -v name="$name" -v n="$((n2 - n1))" -v i="$((i2 - i1))" \
+    'BEGIN { printf "%-22s %14.0f %10d\n", name, i / n, n }'
+done
