@@ -16,15 +16,12 @@
 #     callgrind_annotate --inclusive=yes /tmp/ir/fresh-long.out | less
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/common.sh
 
 STORE="${STORE:-memory}"
 SHORT="${SHORT:-2}"
 LONG="${LONG:-8}"
 
-need() {
-  command -v "$1" >/dev/null && return
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
-}
 need wrk wrk
 need valgrind valgrind
 
@@ -33,28 +30,8 @@ target_dir="${CARGO_TARGET_DIR:-target}"
 gateway_bin="$target_dir/release/idemgate"
 provider_bin="$target_dir/release/examples/mock_provider"
 
-work="$(mktemp -d)"
 keep="${KEEP:-$work}"
 mkdir -p "$keep"
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-wait_port() {
-  for _ in $(seq 1 400); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.05
-  done
-  echo "nothing listens on $1" >&2
-  return 1
-}
 
 export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
 provider_port="$(free_port)"

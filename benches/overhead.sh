@@ -12,15 +12,12 @@
 # are installed when missing; nginx runs with a private config, never as the system service.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/common.sh
 
 DURATION="${DURATION:-8}"
 C1_DURATION="${C1_DURATION:-4}"
 STORES="${STORES:-memory embedded redis}"
 
-need() {
-  command -v "$1" >/dev/null && return
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
-}
 need wrk wrk
 need nginx nginx
 need redis-server redis-server
@@ -30,26 +27,6 @@ target_dir="${CARGO_TARGET_DIR:-target}"
 gateway_bin="$target_dir/release/idemgate"
 provider_bin="$target_dir/release/examples/mock_provider"
 
-work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-wait_port() {
-  for _ in $(seq 1 200); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.05
-  done
-  echo "nothing listens on $1" >&2
-  return 1
-}
 cpu_ticks() {
   # utime + stime of the process and its waited-for children, in clock ticks.
   awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"

@@ -1,0 +1,31 @@
+# Shell helpers of the process benches (overhead.sh, instructions.sh), sourced by them.
+# Sets $work (a temporary directory, removed on exit) and kills every pid put in $pids.
+
+# need COMMAND PACKAGE: installs Debian's PACKAGE when COMMAND is missing.
+need() {
+  command -v "$1" >/dev/null && return
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# wait_port PORT: until something listens there (20 s at most; valgrind starts slowly).
+wait_port() {
+  for _ in $(seq 1 400); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nothing listens on $1" >&2
+  return 1
+}
