@@ -37,7 +37,7 @@ pub fn buffered_bytes() -> usize {
 pub struct LiveStream {
     pub status: u16,
     /// The provider's headers, hop-by-hop and `Content-Length` removed.
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: crate::job::Headers,
     pub n: u32,
     pub provider: String,
     pub recording: Arc<Recording>,

@@ -143,7 +143,7 @@ pub async fn next_data(body: &mut Body) -> Result<Option<Bytes>, CallError> {
 }
 
 /// An answer's headers as kept: hop-by-hop ones dropped.
-pub fn kept_headers(mut headers: HeaderMap) -> Vec<(String, Bytes)> {
+pub fn kept_headers(mut headers: HeaderMap) -> crate::job::Headers {
     headers::strip_hop_by_hop(&mut headers);
     headers
         .iter()

@@ -243,7 +243,8 @@ fn body(tag: u8) -> StoredResponse {
         headers: vec![(
             "content-type".into(),
             Bytes::from_static(b"application/json"),
-        )],
+        )]
+        .into(),
         body: Bytes::from(format!("{{\"answer\":{tag}}}")),
         body_omitted: false,
     }

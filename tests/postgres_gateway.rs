@@ -129,7 +129,8 @@ fn answer(body: &'static str) -> StoredResponse {
         headers: vec![(
             "content-type".into(),
             Bytes::from_static(b"application/json"),
-        )],
+        )]
+        .into(),
         body: Bytes::from_static(body.as_bytes()),
         body_omitted: false,
     }

@@ -49,7 +49,7 @@ pub(super) fn respond(outcome: Outcome, store: &std::sync::Arc<dyn JobStore>) ->
     }
 }
 
-fn head(status: u16, headers: Vec<(String, Bytes)>) -> StoredResponse {
+fn head(status: u16, headers: crate::job::Headers) -> StoredResponse {
     StoredResponse {
         status,
         headers,
@@ -68,7 +68,7 @@ fn answer(
     let mut response = Response::new(body::full(stored.body.clone()));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let headers = response.headers_mut();
-    for (name, value) in &stored.headers {
+    for (name, value) in stored.headers.iter() {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_maybe_shared(value.clone()),

@@ -148,7 +148,7 @@ pub trait JobStore: Send + Sync + Debug + 'static {
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct StreamHead {
     pub status: u16,
-    pub headers: Vec<(String, bytes::Bytes)>,
+    pub headers: crate::job::Headers,
     pub n: u32,
     pub provider: String,
 }

@@ -43,7 +43,8 @@ pub fn answer(body: &'static str) -> StoredResponse {
                 Bytes::from_static(b"application/json"),
             ),
             ("x-request-id".into(), Bytes::from_static(b"req_1")),
-        ],
+        ]
+        .into(),
         body: Bytes::from_static(body.as_bytes()),
         body_omitted: false,
     }

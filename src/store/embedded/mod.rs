@@ -640,7 +640,7 @@ mod tests {
             n: 1,
             response: StoredResponse {
                 status: 200,
-                headers: vec![("content-type".into(), "application/json".into())],
+                headers: vec![("content-type".into(), "application/json".into())].into(),
                 body: body.into(),
                 body_omitted: false,
             },
