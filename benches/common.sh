@@ -29,3 +29,21 @@ wait_port() {
   echo "nothing listens on $1" >&2
   return 1
 }
+
+# gateway_config PORT PROVIDER_PORT STORE_TABLE: a gateway on PORT in front of the provider,
+# with the [store] table's lines given, one keyed route for /v1.
+gateway_config() {
+  cat <<CONF
+[server]
+listen = "127.0.0.1:$1"
+[store]
+$3
+[[providers]]
+name = "p"
+base_url = "http://127.0.0.1:$2"
+[[routes]]
+name = "chat"
+path_prefix = "/v1"
+providers = ["p"]
+CONF
+}

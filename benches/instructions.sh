@@ -49,19 +49,7 @@ run() {
 path = \"$work/ir-$RANDOM.db\"" ;;
     *) echo "STORE is memory or embedded" >&2; exit 2 ;;
   esac
-  cat >"$work/gw.toml" <<CONF
-[server]
-listen = "127.0.0.1:$port"
-[store]
-$table
-[[providers]]
-name = "p"
-base_url = "http://127.0.0.1:$provider_port"
-[[routes]]
-name = "chat"
-path_prefix = "/v1"
-providers = ["p"]
-CONF
+  gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \
     "$gateway_bin" --config "$work/gw.toml" >"$work/gw.log" 2>&1 &
   gw=$!

@@ -132,19 +132,7 @@ url = \"redis://127.0.0.1:$redis_port\"" ;;
     *) echo "unknown store $store" >&2; exit 2 ;;
   esac
   port="$(free_port)"
-  cat >"$work/$store.toml" <<CONF
-[server]
-listen = "127.0.0.1:$port"
-[store]
-$table
-[[providers]]
-name = "p"
-base_url = "http://127.0.0.1:$provider_port"
-[[routes]]
-name = "chat"
-path_prefix = "/v1"
-providers = ["p"]
-CONF
+  gateway_config "$port" "$provider_port" "$table" >"$work/$store.toml"
   RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store.toml" >"$work/$store.log" 2>&1 &
   gw=$!
   pids+=($gw)
