@@ -88,7 +88,7 @@ const OPERATIONS: [&str; 3] = ["claim", "apply", "get"];
 #[derive(Debug, Default)]
 struct Resolved {
     /// By route name: one counter per [`RequestOutcome`], in `RequestOutcome::ALL` order.
-    routes: Vec<(String, [Counter; 6])>,
+    routes: Vec<(String, [Counter; RequestOutcome::ALL.len()])>,
     providers: Vec<ProviderSeries>,
     /// In [`OPERATIONS`] order.
     store: Vec<Histogram>,

@@ -50,8 +50,16 @@ pub const SHARD_TAG_LEN: usize = 16;
 
 /// The shard tag of a job id minted by [`new_job_id`].
 pub fn shard_tag(id: &str) -> Option<&str> {
-    let tag = id.strip_prefix("job_")?.get(..SHARD_TAG_LEN)?;
-    tag.bytes().all(|b| b.is_ascii_hexdigit()).then_some(tag)
+    id_parts(id).map(|(tag, _)| tag)
+}
+
+/// A job id minted by [`new_job_id`] as its shard tag and its time-ordered rest.
+pub fn id_parts(id: &str) -> Option<(&str, &str)> {
+    let rest = id.strip_prefix("job_")?;
+    let tag = rest.get(..SHARD_TAG_LEN)?;
+    tag.bytes()
+        .all(|b| b.is_ascii_hexdigit())
+        .then(|| (tag, &rest[SHARD_TAG_LEN..]))
 }
 
 /// SHA-256 (hex) naming the (owner, key) pair; NUL cannot occur in either.

@@ -302,16 +302,14 @@ impl EmbeddedStore {
         let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
         let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
         let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
-        let Some(bytes) = jobs
-            .get(row_key(id).as_str())
-            .map_err(|e| self.unavailable(e))?
-        else {
+        let row = row_key(id);
+        let Some(bytes) = jobs.get(row.as_str()).map_err(|e| self.unavailable(e))? else {
             return Ok(None);
         };
         let mut record: JobRecord = decode(bytes.value())?;
         if record.job.state == JobState::Succeeded {
             if let Some(bytes) = responses
-                .get(row_key(id).as_str())
+                .get(row.as_str())
                 .map_err(|e| self.unavailable(e))?
             {
                 record.job.response = Some(decode(bytes.value())?);
@@ -354,15 +352,10 @@ fn move_legacy_rows(txn: &redb::WriteTransaction) -> tables::TxResult<usize> {
 /// part, then its shard tag — a permutation of the id, so lookups by id need no index. An
 /// id not minted by [`crate::job::new_job_id`] is kept whole behind `i`.
 fn row_key(id: &str) -> String {
-    match crate::job::shard_tag(id) {
-        Some(tag) if id.len() > 4 + crate::job::SHARD_TAG_LEN => {
-            let mut key = String::with_capacity(id.len());
-            key.push('t');
-            key.push_str(&id[4 + crate::job::SHARD_TAG_LEN..]);
-            key.push_str(tag);
-            key
-        }
-        _ => format!("i{id}"),
+    match crate::job::id_parts(id) {
+        // The tag's length is fixed, so the key still names one id.
+        Some((tag, time)) => ["t", time, tag].concat(),
+        None => format!("i{id}"),
     }
 }
 

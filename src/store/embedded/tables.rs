@@ -79,13 +79,13 @@ impl<'t> Tables<'t> {
         previous_expiry: Option<SystemTime>,
     ) -> TxResult<JobRecord> {
         let id = record.job.id.clone();
+        let row = row_key(&id);
         let response = record.job.response.take();
         if let Some(response) = &response {
             self.responses
-                .insert(row_key(&id).as_str(), encode(response).as_slice())?;
+                .insert(row.as_str(), encode(response).as_slice())?;
         }
-        self.jobs
-            .insert(row_key(&id).as_str(), encode(&record).as_slice())?;
+        self.jobs.insert(row.as_str(), encode(&record).as_slice())?;
         if let Some(previous) = previous_expiry {
             self.expiry.remove((millis(previous), id.as_str()))?;
         }
@@ -108,8 +108,9 @@ impl<'t> Tables<'t> {
 
     pub(super) fn delete(&mut self, record: &JobRecord) -> TxResult<()> {
         let id = record.job.id.as_str();
-        self.jobs.remove(row_key(id).as_str())?;
-        self.responses.remove(row_key(id).as_str())?;
+        let row = row_key(id);
+        self.jobs.remove(row.as_str())?;
+        self.responses.remove(row.as_str())?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
         self.in_progress.remove(id)?;
