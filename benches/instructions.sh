@@ -5,9 +5,10 @@
 #
 #     benches/instructions.sh               # new job and replay, memory store, ~1 minute
 #     STORE=embedded benches/instructions.sh
+#     STORE=embedded CONNS=32 benches/instructions.sh   # group commits of many operations
 #
 # Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
-# thread, 4 connections); the difference of the two totals over the difference of their
+# thread, 4 connections, or CONNS); the difference of the two totals over the difference of their
 # request counts leaves out start-up and shutdown. Under valgrind SHA-256 runs its portable
 # code (valgrind hides the CPU's SHA extensions), so hashing weighs more here than natively.
 # For a per-function breakdown, build with line tables and keep the output files:
@@ -55,7 +56,7 @@ path = \"$work/ir-$RANDOM.db\"" ;;
   gw=$!
   wait_port "$port"
   result="$(KEY_MODE="$mode" KEY_PREFIX="ir$RANDOM$RANDOM" \
-    wrk -t1 -c4 -d"${seconds}s" -s benches/wrk.lua "http://127.0.0.1:$port/v1/chat/completions" |
+    wrk -t1 -c"${CONNS:-4}" -d"${seconds}s" -s benches/wrk.lua "http://127.0.0.1:$port/v1/chat/completions" |
     grep '^RESULT')"
   kill "$gw"
   wait "$gw" 2>/dev/null || true

@@ -601,6 +601,7 @@ impl JobStore for EmbeddedStore {
 mod tests {
     use super::*;
     use crate::job::{new_job_id, Effect};
+    use redb::ReadableTable;
 
     const POLICY: ExpiryPolicy = ExpiryPolicy {
         retention: Duration::from_secs(3600),
@@ -658,6 +659,114 @@ mod tests {
         assert_ne!(row_key(&id), row_key(&new_job_id("owner", "other")));
         assert_eq!(row_key("job_1"), "ijob_1");
         assert_eq!(row_key("anything"), "ianything");
+    }
+
+    /// What the index tables hold for `id`, read directly.
+    fn indexed(db: &Database, id: &str) -> tables::Indexed {
+        let txn = db.begin_read().unwrap();
+        let expiry = txn.open_table(EXPIRY).unwrap();
+        let expires: Vec<u64> = expiry
+            .iter()
+            .unwrap()
+            .filter_map(|entry| {
+                let (key, _) = entry.unwrap();
+                let (at, job) = key.value();
+                (job == id).then_some(at)
+            })
+            .collect();
+        assert!(expires.len() <= 1, "one expiry entry per job: {expires:?}");
+        let unknown = txn.open_table(UNKNOWN).unwrap();
+        let in_progress = txn.open_table(IN_PROGRESS).unwrap();
+        tables::Indexed::new(
+            expires.first().copied(),
+            unknown.get(id).unwrap().is_some(),
+            in_progress.get(id).unwrap().map(|v| v.value()),
+        )
+    }
+
+    #[tokio::test]
+    async fn indexes_follow_the_record_through_every_state() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("idx.db");
+        let store = EmbeddedStore::open(&path, POLICY).expect("the store opens");
+        let now = crate::clock::now();
+        let record = JobRecord::new(
+            new_job_id("owner", "k"),
+            "owner".into(),
+            "k".into(),
+            "fp".into(),
+            "chat".into(),
+            now,
+            now + Duration::from_secs(30),
+            &POLICY,
+        );
+        let Claim::Created(record) = store.claim(record, now).await.unwrap() else {
+            panic!("a new job");
+        };
+        let id = record.job.id.clone();
+        let check = |record: &JobRecord| {
+            assert_eq!(
+                indexed(&store.db, &id),
+                tables::Indexed::of(record),
+                "indexes of a {:?} job",
+                record.job.state
+            );
+        };
+        check(&record);
+        let mut version = record.job.version;
+        let later = now + Duration::from_secs(60);
+        // Started, its lease renewed (then renewed to the same instant: nothing to move),
+        // timed out, unknown.
+        for step in 0..5 {
+            let transition = match step {
+                0 => Transition::StartAttempt {
+                    version,
+                    n: 1,
+                    provider: "p".into(),
+                },
+                1 | 2 => Transition::RenewLease {
+                    version,
+                    until: later,
+                },
+                3 => Transition::AttemptUnknown {
+                    n: 1,
+                    error: "timed out".into(),
+                },
+                _ => Transition::MarkUnknown { version },
+            };
+            let applied = store.apply(&id, transition, now).await.unwrap();
+            assert!(
+                applied.outcome.is_ok(),
+                "step {step}: {:?}",
+                applied.outcome
+            );
+            version = applied.record.job.version;
+            check(&applied.record);
+        }
+        assert!(
+            indexed(&store.db, &id).unknown(),
+            "the job is listed as unknown"
+        );
+        // The late answer settles the unknown job: off the unknown list, expiry moved.
+        let applied = store
+            .apply(
+                &id,
+                Transition::Complete {
+                    n: 1,
+                    response: StoredResponse {
+                        status: 200,
+                        headers: Vec::new().into(),
+                        body: "late".into(),
+                        body_omitted: false,
+                    },
+                },
+                now,
+            )
+            .await
+            .unwrap();
+        assert!(applied.outcome.is_ok(), "{:?}", applied.outcome);
+        assert_eq!(applied.record.job.state, JobState::Succeeded);
+        check(&applied.record);
     }
 
     #[tokio::test]

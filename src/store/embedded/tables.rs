@@ -14,6 +14,42 @@ pub(super) struct Tables<'t> {
     in_progress: Table<'t, &'static str, u64>,
 }
 
+/// What the secondary indexes (`expiry`, `unknown`, `in_progress`) hold for one job; all
+/// three follow from its record.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Indexed {
+    /// In ms; `None` only for a job not saved yet.
+    expires_at: Option<u64>,
+    unknown: bool,
+    /// The lease's end in ms, while the job is `in_progress`.
+    lease: Option<u64>,
+}
+
+impl Indexed {
+    #[cfg(test)]
+    pub(super) fn new(expires_at: Option<u64>, unknown: bool, lease: Option<u64>) -> Self {
+        Self {
+            expires_at,
+            unknown,
+            lease,
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn unknown(&self) -> bool {
+        self.unknown
+    }
+
+    pub(super) fn of(record: &JobRecord) -> Self {
+        Self {
+            expires_at: Some(millis(record.job.expires_at)),
+            unknown: record.job.state == JobState::Unknown,
+            lease: (record.job.state == JobState::InProgress)
+                .then(|| millis(record.job.lease_until)),
+        }
+    }
+}
+
 pub(super) type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 impl<'t> Tables<'t> {
@@ -71,12 +107,14 @@ impl<'t> Tables<'t> {
         Ok(record)
     }
 
-    /// Writes a record and keeps the expiry index in step with it. The answer goes to its own
-    /// table, once.
+    /// Writes a record and keeps the indexes in step with it. The answer goes to its own
+    /// table, once. `before` is what the indexes hold for the job (nothing for a new one):
+    /// an entry that does not change is not touched, since each insert or remove in a table
+    /// walks its tree and may copy a page, even when it changes nothing.
     pub(super) fn save(
         &mut self,
         mut record: JobRecord,
-        previous_expiry: Option<SystemTime>,
+        before: Option<Indexed>,
     ) -> TxResult<JobRecord> {
         let id = record.job.id.clone();
         let row = row_key(&id);
@@ -86,21 +124,26 @@ impl<'t> Tables<'t> {
                 .insert(row.as_str(), encode(response).as_slice())?;
         }
         self.jobs.insert(row.as_str(), encode(&record).as_slice())?;
-        if let Some(previous) = previous_expiry {
-            self.expiry.remove((millis(previous), id.as_str()))?;
+        let after = Indexed::of(&record);
+        let before = before.unwrap_or_default();
+        if before.expires_at != after.expires_at {
+            if let Some(previous) = before.expires_at {
+                self.expiry.remove((previous, id.as_str()))?;
+            }
+            if let Some(expires_at) = after.expires_at {
+                self.expiry.insert((expires_at, id.as_str()), ())?;
+            }
         }
-        self.expiry
-            .insert((millis(record.job.expires_at), id.as_str()), ())?;
-        if record.job.state == JobState::Unknown {
-            self.unknown.insert(id.as_str(), ())?;
-        } else {
-            self.unknown.remove(id.as_str())?;
+        match (before.unknown, after.unknown) {
+            (false, true) => drop(self.unknown.insert(id.as_str(), ())?),
+            (true, false) => drop(self.unknown.remove(id.as_str())?),
+            _ => {}
         }
-        if record.job.state == JobState::InProgress {
-            self.in_progress
-                .insert(id.as_str(), millis(record.job.lease_until))?;
-        } else {
-            self.in_progress.remove(id.as_str())?;
+        match (before.lease, after.lease) {
+            (Some(old), Some(new)) if old == new => {}
+            (_, Some(lease)) => drop(self.in_progress.insert(id.as_str(), lease)?),
+            (Some(_), None) => drop(self.in_progress.remove(id.as_str())?),
+            (None, None) => {}
         }
         record.job.response = response;
         Ok(record)
@@ -155,10 +198,10 @@ impl<'t> Tables<'t> {
         let Some(mut record) = self.load(id)? else {
             return Ok(None);
         };
-        let previous_expiry = record.job.expires_at;
+        let before = Indexed::of(&record);
         let outcome = record.apply(transition, now, policy);
         if outcome.is_ok() {
-            record = self.save(record, Some(previous_expiry))?;
+            record = self.save(record, Some(before))?;
         }
         let record = self.with_response(record)?;
         Ok(Some(Applied { outcome, record }))
