@@ -8,8 +8,10 @@
 # drives one system with wrk (1 thread; 32 connections for throughput, CPU and p99; one
 # connection for the added p50). The proxy under test runs on core 1, wrk and the provider
 # on core 0; CPU per request is the proxy's utime + stime from /proc/PID/stat over the c32
-# run divided by the requests wrk completed. nginx and wrk come from Debian's packages and
-# are installed when missing; nginx runs with a private config, never as the system service.
+# run divided by the requests wrk completed, also split into user and system time (system:
+# the kernel's share, socket calls, wake-ups and page faults, which no proxy can shed). nginx
+# and wrk come from Debian's packages and are installed when missing; nginx runs with a
+# private config, never as the system service.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benches/common.sh
@@ -28,8 +30,8 @@ gateway_bin="$target_dir/release/idemgate"
 provider_bin="$target_dir/release/examples/mock_provider"
 
 cpu_ticks() {
-  # utime + stime of the process and its waited-for children, in clock ticks.
-  awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"
+  # "user system" of the process and its waited-for children, in clock ticks.
+  awk '{print $14 + $16, $15 + $17}' "/proc/$1/stat"
 }
 hz="$(getconf CLK_TCK)"
 
@@ -51,17 +53,19 @@ rows=()
 # measure NAME URL KEY_MODE PID: a warm-up, the c32 run with CPU accounting, the c1 run.
 measure() {
   local name="$1" url="$2" mode="$3" pid="$4"
-  local before after c32 c1 warm
+  local user0 sys0 user1 sys1 c32 c1 warm
   warm="$(run_wrk "$url" "$mode" 32 2)"
-  before="$(cpu_ticks "$pid")"
+  read -r user0 sys0 < <(cpu_ticks "$pid")
   c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
-  after="$(cpu_ticks "$pid")"
+  read -r user1 sys1 < <(cpu_ticks "$pid")
   c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
-  local requests cpu
+  local requests per_request user sys
   requests="$(field requests "$c32")"
   measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
-  cpu="$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')"
-  rows+=("$name|$cpu|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")")
+  per_request() { awk -v t="$1" -v hz="$hz" -v n="$requests" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}'; }
+  user="$(per_request $((user1 - user0)))"
+  sys="$(per_request $((sys1 - sys0)))"
+  rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys")
   echo "measured: $name" >&2
 }
 
@@ -176,11 +180,11 @@ fi
 awk -F'|' -v direct="${rows[0]}" -v nginx="${rows[1]}" '
 BEGIN {
   split(direct, d, "|"); split(nginx, n, "|")
-  printf "%-38s %10s %9s %10s %10s %12s %9s %7s\n", "system", "CPU µs/req", "× nginx", "req/s", "p99 @c32", "added p50@c1", "× direct", "errors"
+  printf "%-38s %10s %12s %9s %10s %10s %12s %9s %7s\n", "system", "CPU µs/req", "user+sys", "× nginx", "req/s", "p99 @c32", "added p50@c1", "× direct", "errors"
 }
 {
   added = $5 - d[5]
-  printf "%-38s %10.1f %9.2f %10.0f %8.1fms %+10dµs %9.2f %7d\n", $1, $2, ($2 / n[2]), $3, $4 / 1000, added, $3 / d[3], $6
+  printf "%-38s %10.1f %12s %9.2f %10.0f %8.1fms %+10dµs %9.2f %7d\n", $1, $2, sprintf("%.1f+%.1f", $7, $8), ($2 / n[2]), $3, $4 / 1000, added, $3 / d[3], $6
 }' < <(printf '%s\n' "${rows[@]}")
 for note in "${memory_note:-}" "${memory_2k_note:-}"; do
   if [[ -n "$note" ]]; then echo "$note"; fi
