@@ -214,3 +214,101 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_another_gateway_s_sweep()
     )
     .await;
 }
+
+/// How many PUBLISH commands the server has run, scripts' included.
+async fn publishes(server: &RedisServer) -> u64 {
+    let mut connection = server.connection().await;
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_publish:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_is_published_only_while_someone_waits_for_it() {
+    use idemgate::job::{new_job_id, shard_tag, JobRecord, Transition};
+    use idemgate::store::Claim;
+
+    let server = RedisServer::start().await;
+    let (runner, other) = (store(&server).await, store(&server).await);
+    let now = idemgate::clock::now();
+    let record = JobRecord::new(
+        new_job_id("owner", "watched"),
+        "owner".into(),
+        "watched".into(),
+        "fp".into(),
+        "chat".into(),
+        now,
+        now + Duration::from_secs(30),
+        &POLICY,
+    );
+    let Claim::Created(record) = runner.claim(record, now).await.unwrap() else {
+        panic!("a new job");
+    };
+    let id = record.job.id.clone();
+    let start = Transition::StartAttempt {
+        version: record.job.version,
+        n: 1,
+        provider: "p".into(),
+    };
+    let before = publishes(&server).await;
+    let started = runner.apply(&id, start, now).await.unwrap();
+    assert!(started.outcome.is_ok());
+    assert_eq!(publishes(&server).await, before, "nobody waits: no publish");
+
+    // A duplicate on another gateway waits for the job to change.
+    let version = started.record.job.version;
+    let waiter = {
+        let other = other.clone();
+        let (id, state) = (id.clone(), started.record.job.state);
+        tokio::spawn(async move {
+            other
+                .wait_change(&id, version, state, Duration::from_secs(10))
+                .await
+        })
+    };
+    let watch = format!("idemgate:{{{}}}:watch:{id}", shard_tag(&id).unwrap());
+    let mut connection = server.connection().await;
+    let mut watched = false;
+    for _ in 0..500 {
+        watched = redis::cmd("EXISTS")
+            .arg(&watch)
+            .query_async::<bool>(&mut connection)
+            .await
+            .unwrap();
+        if watched {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(watched, "the waiter marks the job watched");
+    let complete = Transition::Complete {
+        n: 1,
+        response: idemgate::job::StoredResponse {
+            status: 200,
+            headers: Vec::new().into(),
+            body: Bytes::from_static(b"{}"),
+            body_omitted: false,
+        },
+    };
+    let settled = runner.apply(&id, complete, now).await.unwrap();
+    assert!(settled.outcome.is_ok());
+    assert_eq!(publishes(&server).await, before + 1, "the waiter is told");
+    let started_waiting = tokio::time::Instant::now();
+    let seen = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter wakes")
+        .unwrap()
+        .unwrap();
+    assert_eq!(seen.job.state, idemgate::job::JobState::Succeeded);
+    assert!(
+        started_waiting.elapsed() < Duration::from_secs(5),
+        "woken by the change, not by its deadline"
+    );
+}

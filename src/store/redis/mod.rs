@@ -9,7 +9,12 @@
 //! - `P:{tag}:claim:<sha256(owner NUL key)>` → job id — the identity, claimed atomically;
 //! - `P:{tag}:job:<id>` → hash `rev` (revision) and `blob` (the job and its attempts);
 //! - `P:{tag}:resp:<id>` → the stored answer, written once, when an attempt wins;
-//! - channel `P:{tag}:chan:<id>` — published on every change, to wake waiters anywhere.
+//! - channel `P:{tag}:chan:<id>` — published on a change while `P:{tag}:watch:<id>` exists,
+//!   to wake waiters anywhere. A waiter sets the watch key (for [`WATCH_TTL_MS`]) in the
+//!   same round trip as each read of the job, so a change after the read is published and a
+//!   change before it is seen by it; a job nobody waits on is changed without a publish.
+//!   Waiters also re-read every [`FALLBACK_POLL`], so a lapsed watch, a lost message, or a
+//!   gateway of an earlier version that does not set it only delays a wake-up.
 //!
 //! The tag is part of the job id ([`crate::job::new_job_id`]), so a job is found from its id
 //! in one round trip.
@@ -72,6 +77,9 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Waiters re-read at least this often, in case a notification was lost with a connection.
 const FALLBACK_POLL: Duration = Duration::from_millis(250);
+/// How long one read by a waiter keeps its job watched: several [`FALLBACK_POLL`]s, so a
+/// waiter's next read renews it before it lapses.
+const WATCH_TTL_MS: u64 = 1_000;
 /// How long a mirrored stream outlives its last update: duplicates elsewhere read it while
 /// it is live; once the job settles they replay the stored answer instead.
 const MIRROR_TTL_MS: u64 = 10 * 60 * 1000;
@@ -300,6 +308,16 @@ impl RedisStore {
         &self,
         id: &str,
     ) -> Result<Option<(u64, JobRecord, Option<StoredResponse>)>, StoreError> {
+        self.read_job(id, false).await
+    }
+
+    /// Reads a job; `watch` first marks it watched, so its changes from then on are
+    /// published (see the module's keys).
+    async fn read_job(
+        &self,
+        id: &str,
+        watch: bool,
+    ) -> Result<Option<(u64, JobRecord, Option<StoredResponse>)>, StoreError> {
         let Some(tag) = shard_tag(id) else {
             return Ok(None);
         };
@@ -307,6 +325,14 @@ impl RedisStore {
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
         let mut pipe = redis::pipe();
+        if watch {
+            pipe.cmd("SET")
+                .arg(keys.watch(id))
+                .arg(1)
+                .arg("PX")
+                .arg(WATCH_TTL_MS)
+                .ignore();
+        }
         pipe.cmd("HMGET").arg(keys.job(id)).arg("rev").arg("blob");
         pipe.cmd("GET").arg(keys.resp(id));
         let ((rev, blob), resp): (RawJob, Option<Vec<u8>>) = pipe
@@ -361,6 +387,10 @@ impl Keys {
 
     fn chan(&self, id: &str) -> String {
         self.key("chan:", id)
+    }
+
+    fn watch(&self, id: &str) -> String {
+        self.key("watch:", id)
     }
 
     /// A mirrored stream's keys: `shead`, `schunks`, `send`.
@@ -490,7 +520,8 @@ impl JobStore for RedisStore {
             invocation
                 .key(keys.job(id))
                 .key(keys.resp(id))
-                .key(&claim_key);
+                .key(&claim_key)
+                .key(keys.watch(id));
             if !self.cluster {
                 invocation
                     .key(self.unknown_index())
@@ -563,7 +594,15 @@ impl JobStore for RedisStore {
             seen,
             timeout,
             Some(FALLBACK_POLL),
-            || self.get(id),
+            || async {
+                Ok(self
+                    .read_job(id, true)
+                    .await?
+                    .map(|(rev, record, response)| {
+                        self.remember(id, rev, &record);
+                        Self::with_answer(record, response)
+                    }))
+            },
         )
         .await
     }

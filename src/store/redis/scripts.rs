@@ -42,6 +42,9 @@ return {1}
 
 /// Writes a transition's result if the record is still at the revision it was computed
 /// from; otherwise returns the current record. An empty blob only checks the revision.
+/// The change is published only while someone waits on the job (its `watch` key, KEYS[4],
+/// exists): every gateway receives every publish through its pattern subscription, which
+/// on a lone request cost the gateway a wake-up and Redis a second socket write per job.
 pub(super) const APPLY: &str = r#"
 local rec = redis.call('HMGET', KEYS[1], 'rev', 'blob')
 if not rec[1] then
@@ -64,19 +67,21 @@ end
 if redis.call('GET', KEYS[3]) == ARGV[6] then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
 end
-if KEYS[4] then
+if KEYS[5] then
   local index = ARGV[7]
   if string.sub(index, 1, 1) == 'p' then
-    redis.call('ZADD', KEYS[5], string.sub(index, 2), ARGV[6])
-    redis.call('SREM', KEYS[4], ARGV[6])
+    redis.call('ZADD', KEYS[6], string.sub(index, 2), ARGV[6])
+    redis.call('SREM', KEYS[5], ARGV[6])
   elseif index == 'u' then
-    redis.call('ZREM', KEYS[5], ARGV[6])
-    redis.call('SADD', KEYS[4], ARGV[6])
+    redis.call('ZREM', KEYS[6], ARGV[6])
+    redis.call('SADD', KEYS[5], ARGV[6])
   else
-    redis.call('ZREM', KEYS[5], ARGV[6])
-    redis.call('SREM', KEYS[4], ARGV[6])
+    redis.call('ZREM', KEYS[6], ARGV[6])
+    redis.call('SREM', KEYS[5], ARGV[6])
   end
 end
-redis.call('PUBLISH', ARGV[5], rev)
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('PUBLISH', ARGV[5], rev)
+end
 return {1, tostring(rev)}
 "#;
