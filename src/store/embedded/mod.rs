@@ -608,10 +608,9 @@ mod tests {
         late_result_window: Duration::from_secs(600),
     };
 
-    /// A job that won with `body`, as the store would hold it.
-    fn settled(owner: &str, key: &str, body: &'static str) -> JobRecord {
-        let now = crate::clock::now();
-        let mut record = JobRecord::new(
+    /// A new job for (owner, key), as the engine hands it to a claim.
+    fn fresh(owner: &str, key: &str, now: SystemTime) -> JobRecord {
+        JobRecord::new(
             new_job_id(owner, key),
             owner.into(),
             key.into(),
@@ -620,7 +619,13 @@ mod tests {
             now,
             now + Duration::from_secs(30),
             &POLICY,
-        );
+        )
+    }
+
+    /// A job that won with `body`, as the store would hold it.
+    fn settled(owner: &str, key: &str, body: &'static str) -> JobRecord {
+        let now = crate::clock::now();
+        let mut record = fresh(owner, key, now);
         let start = Transition::StartAttempt {
             version: record.job.version,
             n: 1,
@@ -674,11 +679,11 @@ mod tests {
                 (job == id).then_some(at)
             })
             .collect();
-        assert!(expires.len() <= 1, "one expiry entry per job: {expires:?}");
+        assert_eq!(expires.len(), 1, "one expiry entry per job: {expires:?}");
         let unknown = txn.open_table(UNKNOWN).unwrap();
         let in_progress = txn.open_table(IN_PROGRESS).unwrap();
         tables::Indexed::new(
-            expires.first().copied(),
+            expires[0],
             unknown.get(id).unwrap().is_some(),
             in_progress.get(id).unwrap().map(|v| v.value()),
         )
@@ -690,17 +695,8 @@ mod tests {
         let path = dir.path().join("idx.db");
         let store = EmbeddedStore::open(&path, POLICY).expect("the store opens");
         let now = crate::clock::now();
-        let record = JobRecord::new(
-            new_job_id("owner", "k"),
-            "owner".into(),
-            "k".into(),
-            "fp".into(),
-            "chat".into(),
-            now,
-            now + Duration::from_secs(30),
-            &POLICY,
-        );
-        let Claim::Created(record) = store.claim(record, now).await.unwrap() else {
+        let Claim::Created(record) = store.claim(fresh("owner", "k", now), now).await.unwrap()
+        else {
             panic!("a new job");
         };
         let id = record.job.id.clone();

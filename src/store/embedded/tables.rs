@@ -16,10 +16,10 @@ pub(super) struct Tables<'t> {
 
 /// What the secondary indexes (`expiry`, `unknown`, `in_progress`) hold for one job; all
 /// three follow from its record.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Indexed {
-    /// In ms; `None` only for a job not saved yet.
-    expires_at: Option<u64>,
+    /// In ms.
+    expires_at: u64,
     unknown: bool,
     /// The lease's end in ms, while the job is `in_progress`.
     lease: Option<u64>,
@@ -27,7 +27,7 @@ pub(super) struct Indexed {
 
 impl Indexed {
     #[cfg(test)]
-    pub(super) fn new(expires_at: Option<u64>, unknown: bool, lease: Option<u64>) -> Self {
+    pub(super) fn new(expires_at: u64, unknown: bool, lease: Option<u64>) -> Self {
         Self {
             expires_at,
             unknown,
@@ -42,7 +42,7 @@ impl Indexed {
 
     pub(super) fn of(record: &JobRecord) -> Self {
         Self {
-            expires_at: Some(millis(record.job.expires_at)),
+            expires_at: millis(record.job.expires_at),
             unknown: record.job.state == JobState::Unknown,
             lease: (record.job.state == JobState::InProgress)
                 .then(|| millis(record.job.lease_until)),
@@ -125,21 +125,19 @@ impl<'t> Tables<'t> {
         }
         self.jobs.insert(row.as_str(), encode(&record).as_slice())?;
         let after = Indexed::of(&record);
-        let before = before.unwrap_or_default();
-        if before.expires_at != after.expires_at {
-            if let Some(previous) = before.expires_at {
+        let expired_at = before.map(|b| b.expires_at);
+        if expired_at != Some(after.expires_at) {
+            if let Some(previous) = expired_at {
                 self.expiry.remove((previous, id.as_str()))?;
             }
-            if let Some(expires_at) = after.expires_at {
-                self.expiry.insert((expires_at, id.as_str()), ())?;
-            }
+            self.expiry.insert((after.expires_at, id.as_str()), ())?;
         }
-        match (before.unknown, after.unknown) {
+        match (before.is_some_and(|b| b.unknown), after.unknown) {
             (false, true) => drop(self.unknown.insert(id.as_str(), ())?),
             (true, false) => drop(self.unknown.remove(id.as_str())?),
             _ => {}
         }
-        match (before.lease, after.lease) {
+        match (before.and_then(|b| b.lease), after.lease) {
             (Some(old), Some(new)) if old == new => {}
             (_, Some(lease)) => drop(self.in_progress.insert(id.as_str(), lease)?),
             (Some(_), None) => drop(self.in_progress.remove(id.as_str())?),

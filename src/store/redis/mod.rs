@@ -347,6 +347,17 @@ impl RedisStore {
         Ok(Some((rev, record, response)))
     }
 
+    /// A job as [`JobStore::get`] returns it, remembered for this gateway's next transition.
+    async fn read_record(&self, id: &str, watch: bool) -> Result<Option<JobRecord>, StoreError> {
+        Ok(self
+            .read_job(id, watch)
+            .await?
+            .map(|(rev, record, response)| {
+                self.remember(id, rev, &record);
+                Self::with_answer(record, response)
+            }))
+    }
+
     fn with_answer(mut record: JobRecord, response: Option<StoredResponse>) -> JobRecord {
         if record.job.state == JobState::Succeeded {
             record.job.response = response;
@@ -481,10 +492,7 @@ impl JobStore for RedisStore {
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        Ok(self.fetch(id).await?.map(|(rev, record, response)| {
-            self.remember(id, rev, &record);
-            Self::with_answer(record, response)
-        }))
+        self.read_record(id, false).await
     }
 
     async fn apply(
@@ -594,15 +602,7 @@ impl JobStore for RedisStore {
             seen,
             timeout,
             Some(FALLBACK_POLL),
-            || async {
-                Ok(self
-                    .read_job(id, true)
-                    .await?
-                    .map(|(rev, record, response)| {
-                        self.remember(id, rev, &record);
-                        Self::with_answer(record, response)
-                    }))
-            },
+            || self.read_record(id, true),
         )
         .await
     }
