@@ -70,6 +70,7 @@ pub mod headers;
 pub mod intent;
 pub mod job;
 pub mod logline;
+pub mod logsink;
 pub mod metrics;
 pub mod probe;
 mod server;
@@ -160,10 +161,12 @@ pub async fn start_with(
         idle_timeout: config.server.idle_timeout,
     };
 
+    let connections = edge::Connections::default();
     let client = tokio::spawn(server::serve(
         listener,
-        edge::client_service(gateway.clone()),
+        edge::client_service(gateway.clone(), connections.clone()),
         limits,
+        connections,
         watch.clone(),
         grace,
     ));
@@ -183,7 +186,14 @@ pub async fn start_with(
             ..limits
         };
         let service = tower::util::BoxCloneService::new(service);
-        tokio::spawn(server::serve(listener, service, limits, watch.clone(), grace))
+        tokio::spawn(server::serve(
+            listener,
+            service,
+            limits,
+            edge::Connections::default(),
+            watch.clone(),
+            grace,
+        ))
     });
     info!(%addr, admin = ?admin_addr, store = ?config.store.kind, "idemgate listening");
 

@@ -62,7 +62,7 @@ fn init_logging(log: &idemgate::config::LogConfig) {
         .with_env_filter(filter)
         // Colours only for a person at a terminal, never into a log file.
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(idemgate::logsink::Batched::stderr());
     match log.format {
         idemgate::config::LogFormat::Json => builder.json().init(),
         idemgate::config::LogFormat::Text => {
@@ -209,6 +209,8 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // A worker writes the log lines it holds when it runs out of work.
+        .on_thread_park(idemgate::logsink::flush_before_park)
         .build()
         .expect("the tokio runtime starts");
     #[cfg(feature = "profile")]

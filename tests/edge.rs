@@ -704,6 +704,7 @@ async fn every_request_is_one_access_log_line_with_its_id() {
         refused.json()["request_id"].as_str(),
         refused.header("x-request-id")
     );
+    // Killed at once: a lone client's line is written before its answer.
     drop(gateway);
     let text = std::fs::read_to_string(&log_path).unwrap();
     let lines: Vec<serde_json::Value> = text
@@ -744,6 +745,76 @@ async fn every_request_is_one_access_log_line_with_its_id() {
     assert_eq!(fields(1)["request_id"], generated.as_str());
     assert_eq!(fields(1)["job_id"], fields(0)["job_id"]);
     assert_eq!(fields(2)["status"], 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_other_clients_connected_a_line_is_written_once_the_gateway_runs_out_of_work() {
+    let provider = answering(completion()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port().await, free_port().await);
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{}",
+            edge_config(&provider.uri(), "")
+        ),
+    )
+    .unwrap();
+    let mut gateway = spawn_gateway_logging(&config, port, admin, "info", Stdio::piped()).await;
+    let stderr = gateway.child.stderr.take().unwrap();
+    let (lines, mut logged) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // Another client, connected and answered once (so the gateway has accepted it), then
+    // idle: the next request is not alone, and its line may wait in a batch.
+    let mut other = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    other
+        .write_all(b"GET /elsewhere HTTP/1.1\r\nhost: gateway\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 512];
+    let n = tokio::time::timeout(PATIENCE, other.read(&mut answer))
+        .await
+        .expect("the other client is answered")
+        .unwrap();
+    assert!(answer[..n].starts_with(b"HTTP/1.1 "));
+    let sent = send(
+        &client(),
+        Method::POST,
+        &format!("{}{CHAT}", gateway.base),
+        &[
+            ("authorization", "Bearer a"),
+            ("idempotency-key", "k"),
+            ("x-request-id", "req-among-others"),
+        ],
+        chat_request(),
+    )
+    .await;
+    assert_eq!(sent.status, 200);
+    // Nothing else happens: the gateway goes idle and writes what it holds, while running.
+    let line = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let line = logged
+                .recv()
+                .await
+                .expect("the gateway's stderr stays open");
+            if line.contains("request_id=req-among-others") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("the line is written while the gateway runs, without a stop to flush it");
+    assert!(line.contains("outcome=new"), "{line}");
+    drop(other);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
