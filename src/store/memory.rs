@@ -24,15 +24,20 @@ pub struct MemoryStore {
     changed: Changes,
 }
 
+/// A job id as the indexes hold it: one allocation shared by all of them, not a string each.
+type Id = Arc<str>;
+
 #[derive(Debug, Default)]
 struct State {
-    /// (owner, key) → job id: the identity index the claim is atomic over.
-    by_key: Sharded<(String, String), JobId>,
-    jobs: Sharded<JobId, Box<JobRecord>>,
-    in_progress: BTreeSet<JobId>,
-    unknown: BTreeSet<JobId>,
+    /// The (owner, key) digest → job id: the identity index the claim is atomic over, keyed
+    /// as the Redis store keys its claims (`job::claim_digest`), so that it holds no second
+    /// copy of the owner and key the record holds already.
+    by_key: Sharded<[u8; 32], Id>,
+    jobs: Sharded<Id, Box<JobRecord>>,
+    in_progress: BTreeSet<Id>,
+    unknown: BTreeSet<Id>,
     /// (expires_at, id), soonest first: the expiry sweep takes from the front.
-    expiry: BTreeSet<(SystemTime, JobId)>,
+    expiry: BTreeSet<(SystemTime, Id)>,
 }
 
 /// A hash map split into 64 by key hash, each part growing on its own, so a resize moves
@@ -40,17 +45,22 @@ struct State {
 /// 57 000 jobs stopped every request for 239 ms while it doubled (seen by a probe request
 /// every 2 ms under `benches/overhead.sh`'s new-job load), and each doubling took twice as
 /// long as the one before.
+///
+/// Hashed with foldhash, seeded at random per map (the shard's hasher apart from the maps'
+/// own, so a shard's keys do not share the bits its map indexes by): SipHash over every id
+/// and identity, twice per lookup, was the largest hashing cost of a new job. The keys are
+/// SHA-256 digests and ids the gateway minted, so a client cannot aim keys at one bucket.
 #[derive(Debug)]
 struct Sharded<K, V> {
-    hasher: std::hash::RandomState,
-    shards: Box<[HashMap<K, V>]>,
+    hasher: foldhash::fast::RandomState,
+    shards: Box<[HashMap<K, V, foldhash::fast::RandomState>]>,
 }
 
 impl<K, V> Default for Sharded<K, V> {
     fn default() -> Self {
         Self {
-            hasher: std::hash::RandomState::new(),
-            shards: (0..64).map(|_| HashMap::new()).collect(),
+            hasher: foldhash::fast::RandomState::default(),
+            shards: (0..64).map(|_| HashMap::default()).collect(),
         }
     }
 }
@@ -92,6 +102,17 @@ impl<K: std::hash::Hash + Eq, V> Sharded<K, V> {
         self.shards[shard].remove(key)
     }
 
+    /// The stored key equal to `key`: an index entry is made from it, sharing its allocation.
+    fn key<Q>(&self, key: &Q) -> Option<&K>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        self.shards[self.shard(key)]
+            .get_key_value(key)
+            .map(|(k, _)| k)
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
         self.shards.iter().map(HashMap::len).sum()
@@ -114,38 +135,54 @@ impl Indexed {
     }
 }
 
+fn identity(owner: &str, key: &str) -> [u8; 32] {
+    crate::job::claim_digest_bytes(owner, key)
+}
+
 impl State {
-    /// Stores `record` under its identity `(owner, key)`, which the caller already built.
-    fn insert(&mut self, identity: (String, String), record: JobRecord) {
-        let id = record.job.id.clone();
+    /// Stores `record` under its identity, the digest of its (owner, key).
+    fn insert(&mut self, identity: [u8; 32], record: JobRecord) {
+        let id: Id = record.job.id.as_str().into();
         self.by_key.insert(identity, id.clone());
         self.reindex(&id, None, Some(Indexed::of(&record)));
         self.jobs.insert(id, Box::new(record));
     }
 
     fn remove(&mut self, id: &str) {
-        if let Some(record) = self.jobs.remove(id) {
-            self.reindex(id, Some(Indexed::of(&record)), None);
-            self.by_key.remove(&(record.job.owner, record.job.key));
+        let Some(id) = self.jobs.key(id).cloned() else {
+            return;
+        };
+        if let Some(record) = self.jobs.remove(&*id) {
+            self.reindex(&id, Some(Indexed::of(&record)), None);
+            self.by_key
+                .remove(&identity(&record.job.owner, &record.job.key));
         }
     }
 
-    fn reindex(&mut self, id: &str, old: Option<Indexed>, new: Option<Indexed>) {
+    fn reindex(&mut self, id: &Id, old: Option<Indexed>, new: Option<Indexed>) {
         if old == new {
             return;
         }
         if let Some(old) = old {
-            self.state_index(old.state).map(|set| set.remove(id));
-            self.expiry.remove(&(old.expires_at, id.to_owned()));
+            if new.is_none_or(|new| new.state != old.state) {
+                self.state_index(old.state).map(|set| set.remove(id));
+            }
+            if new.is_none_or(|new| new.expires_at != old.expires_at) {
+                self.expiry.remove(&(old.expires_at, id.clone()));
+            }
         }
         if let Some(new) = new {
-            self.state_index(new.state)
-                .map(|set| set.insert(id.to_owned()));
-            self.expiry.insert((new.expires_at, id.to_owned()));
+            if old.is_none_or(|old| old.state != new.state) {
+                self.state_index(new.state)
+                    .map(|set| set.insert(id.clone()));
+            }
+            if old.is_none_or(|old| old.expires_at != new.expires_at) {
+                self.expiry.insert((new.expires_at, id.clone()));
+            }
         }
     }
 
-    fn state_index(&mut self, state: JobState) -> Option<&mut BTreeSet<JobId>> {
+    fn state_index(&mut self, state: JobState) -> Option<&mut BTreeSet<Id>> {
         match state {
             JobState::InProgress => Some(&mut self.in_progress),
             JobState::Unknown => Some(&mut self.unknown),
@@ -156,7 +193,7 @@ impl State {
     /// Removes jobs past their expiry; at most `limit`, so one sweep never holds the lock
     /// for long.
     fn expire(&mut self, now: SystemTime, limit: usize) -> usize {
-        let expired: Vec<JobId> = self
+        let expired: Vec<Id> = self
             .expiry
             .iter()
             .take_while(|(at, _)| *at <= now)
@@ -196,13 +233,13 @@ impl MemoryStore {
             return Vec::new();
         };
         let from = match after {
-            Some(after) => std::ops::Bound::Excluded(after.to_owned()),
+            Some(after) => std::ops::Bound::Excluded(after),
             None => std::ops::Bound::Unbounded,
         };
         index
-            .range((from, std::ops::Bound::Unbounded))
+            .range::<str, _>((from, std::ops::Bound::Unbounded))
             .take(limit)
-            .cloned()
+            .map(|id| id.to_string())
             .collect()
     }
 
@@ -236,8 +273,8 @@ async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
 #[async_trait]
 impl JobStore for MemoryStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let index = identity(&record.job.owner, &record.job.key);
         let mut state = self.lock();
-        let index = (record.job.owner.clone(), record.job.key.clone());
         if let Some(id) = state.by_key.get(&index).cloned() {
             let existing = state.jobs.get(&id).map(|r| &**r);
             match JobRecord::claim_rule(existing, now) {
@@ -269,7 +306,11 @@ impl JobStore for MemoryStore {
         let before = Indexed::of(record);
         let outcome = record.apply(transition, now, &self.policy);
         let record = (**record).clone();
-        state.reindex(id, Some(before), Some(Indexed::of(&record)));
+        let after = Indexed::of(&record);
+        if after != before {
+            let id = state.jobs.key(id).expect("just applied").clone();
+            state.reindex(&id, Some(before), Some(after));
+        }
         drop(state);
         if outcome.is_ok() {
             self.changed.of(id).notify_waiters();
@@ -325,10 +366,11 @@ impl JobStore for MemoryStore {
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
+        let index = identity(owner, key);
         let state = self.lock();
         Ok(state
             .by_key
-            .get(&(owner.to_owned(), key.to_owned()))
+            .get(&index)
             .and_then(|id| state.jobs.get(id))
             .map(|r| (**r).clone()))
     }
@@ -364,13 +406,107 @@ mod tests {
         )
     }
 
+    /// The index entries for `record`'s job must be exactly what its state and expiry say.
+    fn check_indexes(store: &MemoryStore, record: &JobRecord) {
+        let state = store.lock();
+        let id = record.job.id.as_str();
+        let expiries: Vec<SystemTime> = (state.expiry.iter())
+            .filter(|(_, job)| &**job == id)
+            .map(|(at, _)| *at)
+            .collect();
+        assert_eq!(
+            expiries,
+            [record.job.expires_at],
+            "one expiry entry, the record's"
+        );
+        let listed = |set: &BTreeSet<Id>| set.contains(id);
+        assert_eq!(
+            listed(&state.in_progress),
+            record.job.state == JobState::InProgress,
+            "in progress index of a {:?} job",
+            record.job.state
+        );
+        assert_eq!(
+            listed(&state.unknown),
+            record.job.state == JobState::Unknown,
+            "unknown index of a {:?} job",
+            record.job.state
+        );
+        let by_key = state
+            .by_key
+            .get(&identity(&record.job.owner, &record.job.key));
+        assert_eq!(by_key.map(|id| &**id), Some(id));
+    }
+
+    #[tokio::test]
+    async fn indexes_follow_the_record_through_every_state() {
+        use crate::job::StoredResponse;
+        let store = MemoryStore::new(POLICY);
+        let now = crate::clock::now();
+        let Claim::Created(record) = store.claim(record(1, now), now).await.unwrap() else {
+            panic!("a new job");
+        };
+        check_indexes(&store, &record);
+        let id = record.job.id.clone();
+        let mut version = record.job.version;
+        let later = now + Duration::from_secs(60);
+        let mut seen = Vec::new();
+        // Started, its lease renewed, timed out, unknown; then the late answer settles it
+        // (off the unknown list, its expiry moved).
+        for step in 0..5 {
+            let transition = match step {
+                0 => Transition::StartAttempt {
+                    version,
+                    n: 1,
+                    provider: "p".into(),
+                },
+                1 => Transition::RenewLease {
+                    version,
+                    until: later,
+                },
+                2 => Transition::AttemptUnknown {
+                    n: 1,
+                    error: "timed out".into(),
+                },
+                3 => Transition::MarkUnknown { version },
+                _ => Transition::Complete {
+                    n: 1,
+                    response: StoredResponse {
+                        status: 200,
+                        headers: Vec::new().into(),
+                        body: "late".into(),
+                        body_omitted: false,
+                    },
+                },
+            };
+            let applied = store.apply(&id, transition, now).await.unwrap();
+            assert!(
+                applied.outcome.is_ok(),
+                "step {step}: {:?}",
+                applied.outcome
+            );
+            version = applied.record.job.version;
+            check_indexes(&store, &applied.record);
+            seen.push(applied.record.job.state);
+        }
+        assert!(seen.contains(&JobState::Unknown), "{seen:?}");
+        assert_eq!(seen.last(), Some(&JobState::Succeeded));
+        // Gone whole when it expires: no index keeps it.
+        let state = &mut *store.lock();
+        assert_eq!(state.expire(now + Duration::from_secs(86_400 * 365), 10), 1);
+        assert_eq!(
+            (state.jobs.len(), state.by_key.len(), state.expiry.len()),
+            (0, 0, 0)
+        );
+        assert!(state.in_progress.is_empty() && state.unknown.is_empty());
+    }
+
     #[test]
     fn expiry_takes_only_what_is_due_in_bounded_slices() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
         let mut state = State::default();
         let insert = |state: &mut State, record: JobRecord| {
-            let identity = (record.job.owner.clone(), record.job.key.clone());
-            state.insert(identity, record);
+            state.insert(identity(&record.job.owner, &record.job.key), record);
         };
         for n in 0..2500 {
             insert(&mut state, record(n, t0));
