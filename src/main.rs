@@ -207,6 +207,7 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
         Ok(config) => config,
         Err(code) => return code,
     };
+    without_transparent_huge_pages();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         // A worker writes the log lines it holds when it runs out of work.
@@ -221,6 +222,18 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
             eprintln!("idemgate: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Turns transparent huge pages off for this process, as Redis does for itself. The memory
+/// store grows by a few KB a job, and the allocator asks for huge pages: each one is then
+/// zeroed whole at its first touch, 2 MB at once, and every request waits behind it (at
+/// 16 000 new jobs a second, a 5 ms stall every 50 ms: the p99 of a new job at 4 clients was
+/// 4.7 ms, and 0.5 ms with 4 KB pages, at the same throughput).
+fn without_transparent_huge_pages() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
+        tracing::warn!(error = %e, "transparent huge pages stay on: latency may spike as memory grows");
     }
 }
 

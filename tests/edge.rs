@@ -747,6 +747,33 @@ async fn every_request_is_one_access_log_line_with_its_id() {
     assert_eq!(fields(2)["status"], 401);
 }
 
+/// Huge pages zeroed 2 MB at a time at first touch stalled every request while the memory
+/// store grew (main.rs); the process runs with them off.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_process_runs_without_transparent_huge_pages() {
+    let provider = answering(completion()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port().await, free_port().await);
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{}",
+            edge_config(&provider.uri(), "")
+        ),
+    )
+    .unwrap();
+    let gateway = spawn_gateway(&config, port, admin).await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", gateway.child.id())).unwrap();
+    let thp = status
+        .lines()
+        .find_map(|line| line.strip_prefix("THP_enabled:"))
+        .expect("the kernel reports THP_enabled")
+        .trim();
+    assert_eq!(thp, "0", "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_other_clients_connected_a_line_is_written_once_the_gateway_runs_out_of_work() {
     let provider = answering(completion()).await;
