@@ -161,12 +161,10 @@ pub async fn start_with(
         idle_timeout: config.server.idle_timeout,
     };
 
-    let connections = edge::Connections::default();
     let client = tokio::spawn(server::serve(
         listener,
-        edge::client_service(gateway.clone(), connections.clone()),
+        edge::client_service(gateway.clone()),
         limits,
-        connections,
         watch.clone(),
         grace,
     ));
@@ -186,14 +184,7 @@ pub async fn start_with(
             ..limits
         };
         let service = tower::util::BoxCloneService::new(service);
-        tokio::spawn(server::serve(
-            listener,
-            service,
-            limits,
-            edge::Connections::default(),
-            watch.clone(),
-            grace,
-        ))
+        tokio::spawn(server::serve(listener, service, limits, watch.clone(), grace))
     });
     info!(%addr, admin = ?admin_addr, store = ?config.store.kind, "idemgate listening");
 

@@ -1,17 +1,19 @@
-//! Where log lines go: stderr, in batches under load instead of one `write(2)` a line.
+//! Where log lines go: stderr, each line in one `write(2)`, or with `[log] buffered = true`
+//! in batches.
 //!
-//! Every request writes an access line (SPEC §11). Written on its own, that system call was
-//! a quarter of a replay's whole cost. So a runtime worker thread keeps its lines in a
-//! buffer of its own and writes them in one call when it runs out of work (the runtime
+//! Every request writes an access line (SPEC §11), and written on its own that system call
+//! is about a tenth of a replay's CPU. Buffered, a runtime worker thread keeps its lines in
+//! a buffer of its own and writes them in one call when it runs out of work (the runtime
 //! calls [`flush_before_park`] just before the thread sleeps), when the buffer passes
-//! [`FLUSH_AT`], or when the thread ends. A line therefore waits only while its thread is
-//! busy with other work, never while the gateway idles; the access log also writes a
-//! request's line at once when no other request is in flight ([`flush`]), so a lone
-//! request's line is out before its answer, as it always was. What a `kill -9` under load
-//! loses is the lines of the last moments, as with any buffered log.
+//! [`FLUSH_AT`], or when the thread ends. A line then waits only while its thread is busy
+//! with other work, never while the gateway idles — but it may leave after the answer it
+//! describes, so a `kill -9` can lose the lines of its last moments, as with nginx's
+//! `access_log … buffer=`. Unbuffered (the default), a request's line is written before its
+//! answer.
 //!
 //! Any other thread (the main thread, a store's writer thread, a test) writes each line at
-//! once: only a thread that parks in a runtime ever batches.
+//! once: only a thread that parks in a runtime whose park hook is [`flush_before_park`]
+//! ever batches.
 
 use std::cell::RefCell;
 use std::io::{self, Write};
@@ -156,11 +158,6 @@ pub fn flush_before_park() {
     });
 }
 
-/// Writes what this thread holds now.
-pub fn flush() {
-    let _ = PENDING.try_with(|pending| pending.borrow_mut().write_out());
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::mpsc;
@@ -245,13 +242,13 @@ mod tests {
     }
 
     #[test]
-    fn flush_writes_what_the_thread_holds_and_a_thread_that_ends_writes_the_rest() {
+    fn a_park_writes_what_the_thread_holds_and_a_thread_that_ends_writes_the_rest() {
         let (writer, written) = channel();
         let (other, other_written) = channel();
         std::thread::spawn(move || {
             flush_before_park();
             log(&writer, "a\n");
-            flush();
+            flush_before_park();
             assert_eq!(written.try_recv().unwrap(), b"a\n");
             log(&writer, "b\n");
             // Another sink's line: what the first holds goes out first, in its order.

@@ -208,12 +208,13 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
         Err(code) => return code,
     };
     without_transparent_huge_pages();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if config.log.buffered {
         // A worker writes the log lines it holds when it runs out of work.
-        .on_thread_park(idemgate::logsink::flush_before_park)
-        .build()
-        .expect("the tokio runtime starts");
+        runtime.on_thread_park(idemgate::logsink::flush_before_park);
+    }
+    let runtime = runtime.build().expect("the tokio runtime starts");
     #[cfg(feature = "profile")]
     let _profile = profile::Sampler::start();
     match runtime.block_on(idemgate::run(config, shutdown_signal())) {

@@ -43,7 +43,6 @@ pub(crate) async fn serve(
     listener: TcpListener,
     service: Service,
     limits: Limits,
-    connections: crate::edge::Connections,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) -> bool {
@@ -89,10 +88,8 @@ pub(crate) async fn serve(
         };
         let connection = builder.serve_connection(io, service).into_owned();
         let connection = graceful.watch(connection);
-        let open = connections.open();
         tokio::spawn(async move {
             let _slot = slot;
-            let _open = open;
             tokio::pin!(connection);
             tokio::select! {
                 ended = &mut connection => {

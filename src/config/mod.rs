@@ -47,6 +47,9 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// A `tracing` filter: `info`, `warn`, `idemgate=debug,info`, …; `IDEMGATE_LOG` overrides it.
     pub level: String,
+    /// Lines kept per worker thread and written in one call when it runs out of work, instead
+    /// of one write each before the answer they describe (`logsink`).
+    pub buffered: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

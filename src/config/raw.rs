@@ -35,6 +35,7 @@ pub(super) struct RawClients {
 pub(super) struct RawLog {
     pub(super) format: Option<String>,
     pub(super) level: Option<String>,
+    pub(super) buffered: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]

@@ -128,7 +128,11 @@ impl Validator<'_> {
                 ),
             );
         }
-        LogConfig { format, level }
+        LogConfig {
+            format,
+            level,
+            buffered: raw.buffered.unwrap_or(false),
+        }
     }
 
     fn server(&mut self, raw: RawServer) -> ServerConfig {

@@ -16,7 +16,6 @@ pub(crate) mod conn;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -37,7 +36,7 @@ use crate::headers;
 /// The service every client request goes through, outermost layer first.
 pub(crate) type ClientService = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
 
-pub(crate) fn client_service(gateway: Arc<Gateway>, connections: Connections) -> ClientService {
+pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
     let engine = gateway.engine().clone();
     let max_in_flight = engine.config().server.max_in_flight;
     let panics = engine.clone();
@@ -93,7 +92,6 @@ pub(crate) fn client_service(gateway: Arc<Gateway>, connections: Connections) ->
         // makes the id known to every problem built while serving the request.
         .service(AccessLog {
             inner: BoxCloneService::new(limited),
-            connections,
         });
     BoxCloneService::new(service)
 }
@@ -115,11 +113,6 @@ impl MakeRequestId for MakeUuid {
 #[derive(Clone)]
 struct AccessLog {
     inner: BoxCloneService<Request<Body>, Response<Body>, BoxError>,
-    /// With other clients connected, a line may wait in its thread's batch (`logsink`)
-    /// until the thread runs out of work; a lone client's line goes out before its answer.
-    /// (Requests in flight would not tell: a worker handles a replay from head to line
-    /// without yielding, so each one looks alone.)
-    connections: Connections,
 }
 
 impl Service<Request<Body>> for AccessLog {
@@ -146,7 +139,6 @@ impl Service<Request<Body>> for AccessLog {
             .unwrap_or_default()
             .to_owned();
         let inner = self.inner.call(request);
-        let connections = self.connections.clone();
         Box::pin(REQUEST_ID.scope(request_id.clone(), async move {
             let response = inner
                 .await
@@ -182,33 +174,8 @@ impl Service<Request<Body>> for AccessLog {
                 request_id = request_id.as_str(),
                 "request"
             );
-            if !connections.more_than_one() {
-                crate::logsink::flush();
-            }
             Ok(response)
         }))
-    }
-}
-
-/// The client connections open right now, counted by the listener.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Connections(Arc<AtomicUsize>);
-
-impl Connections {
-    /// Counts a connection in until the guard is dropped.
-    pub(crate) fn open(&self) -> impl Drop + Send + 'static {
-        struct Open(Arc<AtomicUsize>);
-        impl Drop for Open {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        self.0.fetch_add(1, Ordering::Relaxed);
-        Open(self.0.clone())
-    }
-
-    fn more_than_one(&self) -> bool {
-        self.0.load(Ordering::Relaxed) > 1
     }
 }
 

@@ -440,7 +440,6 @@ mod tests {
 
     #[tokio::test]
     async fn indexes_follow_the_record_through_every_state() {
-        use crate::job::StoredResponse;
         let store = MemoryStore::new(POLICY);
         let now = crate::clock::now();
         let Claim::Created(record) = store.claim(record(1, now), now).await.unwrap() else {
@@ -451,34 +450,8 @@ mod tests {
         let mut version = record.job.version;
         let later = now + Duration::from_secs(60);
         let mut seen = Vec::new();
-        // Started, its lease renewed, timed out, unknown; then the late answer settles it
-        // (off the unknown list, its expiry moved).
-        for step in 0..5 {
-            let transition = match step {
-                0 => Transition::StartAttempt {
-                    version,
-                    n: 1,
-                    provider: "p".into(),
-                },
-                1 => Transition::RenewLease {
-                    version,
-                    until: later,
-                },
-                2 => Transition::AttemptUnknown {
-                    n: 1,
-                    error: "timed out".into(),
-                },
-                3 => Transition::MarkUnknown { version },
-                _ => Transition::Complete {
-                    n: 1,
-                    response: StoredResponse {
-                        status: 200,
-                        headers: Vec::new().into(),
-                        body: "late".into(),
-                        body_omitted: false,
-                    },
-                },
-            };
+        let mut step = 0;
+        while let Some(transition) = crate::job::lifecycle_step(step, version, later) {
             let applied = store.apply(&id, transition, now).await.unwrap();
             assert!(
                 applied.outcome.is_ok(),
@@ -488,6 +461,7 @@ mod tests {
             version = applied.record.job.version;
             check_indexes(&store, &applied.record);
             seen.push(applied.record.job.state);
+            step += 1;
         }
         assert!(seen.contains(&JobState::Unknown), "{seen:?}");
         assert_eq!(seen.last(), Some(&JobState::Succeeded));

@@ -35,11 +35,6 @@ impl Indexed {
         }
     }
 
-    #[cfg(test)]
-    pub(super) fn unknown(&self) -> bool {
-        self.unknown
-    }
-
     pub(super) fn of(record: &JobRecord) -> Self {
         Self {
             expires_at: millis(record.job.expires_at),
