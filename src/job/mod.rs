@@ -726,43 +726,6 @@ impl JobRecord {
     }
 }
 
-/// A job's way through every state, for the stores' index tests: started, its lease renewed
-/// (then renewed to the same instant: nothing to move), timed out, unknown, then settled by
-/// the late answer. `None` past the last step.
-#[cfg(test)]
-pub(crate) fn lifecycle_step(
-    step: usize,
-    version: u64,
-    renewed_until: SystemTime,
-) -> Option<Transition> {
-    Some(match step {
-        0 => Transition::StartAttempt {
-            version,
-            n: 1,
-            provider: "p".into(),
-        },
-        1 | 2 => Transition::RenewLease {
-            version,
-            until: renewed_until,
-        },
-        3 => Transition::AttemptUnknown {
-            n: 1,
-            error: "timed out".into(),
-        },
-        4 => Transition::MarkUnknown { version },
-        5 => Transition::Complete {
-            n: 1,
-            response: StoredResponse {
-                status: 200,
-                headers: Vec::new().into(),
-                body: "late".into(),
-                body_omitted: false,
-            },
-        },
-        _ => return None,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -265,3 +265,67 @@ pub async fn open(
         )),
     }
 }
+
+/// A job's way through every state, for the stores' index tests: started, its lease renewed
+/// (then renewed to the same instant: nothing to move), timed out, unknown, then settled by
+/// the late answer. `None` past the last step.
+#[cfg(test)]
+fn lifecycle_step(step: usize, version: u64, renewed_until: SystemTime) -> Option<Transition> {
+    Some(match step {
+        0 => Transition::StartAttempt {
+            version,
+            n: 1,
+            provider: "p".into(),
+        },
+        1 | 2 => Transition::RenewLease {
+            version,
+            until: renewed_until,
+        },
+        3 => Transition::AttemptUnknown {
+            n: 1,
+            error: "timed out".into(),
+        },
+        4 => Transition::MarkUnknown { version },
+        5 => Transition::Complete {
+            n: 1,
+            response: crate::job::StoredResponse {
+                status: 200,
+                headers: Vec::new().into(),
+                body: "late".into(),
+                body_omitted: false,
+            },
+        },
+        _ => return None,
+    })
+}
+
+/// Walks the new job `record` (already claimed in `store`) through every state with
+/// [`lifecycle_step`], calling `check` with the record after each step; the job must pass
+/// through `unknown` and end `succeeded`.
+#[cfg(test)]
+pub(crate) async fn walk_every_state(
+    store: &dyn JobStore,
+    record: &JobRecord,
+    now: SystemTime,
+    check: impl Fn(&JobRecord),
+) {
+    let id = record.job.id.as_str();
+    let mut version = record.job.version;
+    let later = now + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    let mut step = 0;
+    while let Some(transition) = lifecycle_step(step, version, later) {
+        let applied = store.apply(id, transition, now).await.unwrap();
+        assert!(
+            applied.outcome.is_ok(),
+            "step {step}: {:?}",
+            applied.outcome
+        );
+        version = applied.record.job.version;
+        check(&applied.record);
+        seen.push(applied.record.job.state);
+        step += 1;
+    }
+    assert!(seen.contains(&JobState::Unknown), "{seen:?}");
+    assert_eq!(seen.last(), Some(&JobState::Succeeded));
+}

@@ -709,24 +709,7 @@ mod tests {
             );
         };
         check(&record);
-        let mut version = record.job.version;
-        let later = now + Duration::from_secs(60);
-        let mut seen = Vec::new();
-        let mut step = 0;
-        while let Some(transition) = crate::job::lifecycle_step(step, version, later) {
-            let applied = store.apply(&id, transition, now).await.unwrap();
-            assert!(
-                applied.outcome.is_ok(),
-                "step {step}: {:?}",
-                applied.outcome
-            );
-            version = applied.record.job.version;
-            check(&applied.record);
-            seen.push(applied.record.job.state);
-            step += 1;
-        }
-        assert!(seen.contains(&JobState::Unknown), "{seen:?}");
-        assert_eq!(seen.last(), Some(&JobState::Succeeded));
+        crate::store::walk_every_state(&store, &record, now, check).await;
     }
 
     #[tokio::test]
