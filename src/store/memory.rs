@@ -93,13 +93,14 @@ impl<K: std::hash::Hash + Eq, V> Sharded<K, V> {
         self.shards[shard].insert(key, value);
     }
 
-    fn remove<Q>(&mut self, key: &Q) -> Option<V>
+    /// Removes the entry, giving back its stored key too.
+    fn remove<Q>(&mut self, key: &Q) -> Option<(K, V)>
     where
         K: std::borrow::Borrow<Q>,
         Q: std::hash::Hash + Eq + ?Sized,
     {
         let shard = self.shard(key);
-        self.shards[shard].remove(key)
+        self.shards[shard].remove_entry(key)
     }
 
     /// The stored key equal to `key`: an index entry is made from it, sharing its allocation.
@@ -149,20 +150,15 @@ impl State {
     }
 
     fn remove(&mut self, id: &str) {
-        let Some(id) = self.jobs.key(id).cloned() else {
-            return;
-        };
-        if let Some(record) = self.jobs.remove(&*id) {
+        if let Some((id, record)) = self.jobs.remove(id) {
             self.reindex(&id, Some(Indexed::of(&record)), None);
             self.by_key
                 .remove(&identity(&record.job.owner, &record.job.key));
         }
     }
 
+    /// Moves only the entries that differ between `old` and `new`.
     fn reindex(&mut self, id: &Id, old: Option<Indexed>, new: Option<Indexed>) {
-        if old == new {
-            return;
-        }
         if let Some(old) = old {
             if new.is_none_or(|new| new.state != old.state) {
                 self.state_index(old.state).map(|set| set.remove(id));
