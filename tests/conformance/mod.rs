@@ -576,6 +576,7 @@ macro_rules! conformance_suite {
                 unknown_jobs_are_listed_until_resolved,
                 lost_replies_are_recognised_when_retried,
                 lapsed_leases_are_listed_from_an_index,
+                in_progress_jobs_are_listed_in_id_order,
             );
         }
     };
@@ -835,4 +836,39 @@ pub async fn lapsed_leases_are_listed_from_an_index(store: Arc<dyn JobStore>) {
         .0
         .unwrap();
     assert!(store.lapsed_leases(now, 10).await.unwrap().is_empty());
+}
+
+/// Jobs running now are listed in id order, a page at a time, whatever order they were
+/// claimed in; a settled job is not.
+pub async fn in_progress_jobs_are_listed_in_id_order(store: Arc<dyn JobStore>) {
+    let mut claimed = Vec::new();
+    for key in ["r1", "r2", "r3", "r4", "r5"] {
+        claimed.push(created(&*store, "o", key).await.job.id);
+    }
+    let settled = claimed.remove(1);
+    start(&*store, &settled, 1, "p").await;
+    apply(
+        &*store,
+        &settled,
+        Transition::Complete {
+            n: 1,
+            response: answer("x"),
+        },
+    )
+    .await
+    .0
+    .unwrap();
+    let mut running = claimed.clone();
+    running.sort();
+    assert_ne!(
+        running, claimed,
+        "the keys are chosen so that id order is not the order of the claims"
+    );
+    assert_eq!(store.in_progress_jobs(None, 10).await.unwrap(), running);
+    let first = store.in_progress_jobs(None, 2).await.unwrap();
+    assert_eq!(first, running[..2]);
+    assert_eq!(
+        store.in_progress_jobs(Some(&first[1]), 10).await.unwrap(),
+        running[2..]
+    );
 }
