@@ -32,13 +32,6 @@
 //!   opening such a file moves their rows once, in the transaction that opens it.
 //! - `expiry`: (expires_at in ms, job id) → (), so the retention sweep finds expired jobs
 //!   without scanning, and does bounded work per tick.
-//! - `in_progress_rows`: row key → the lease's end (ms), for the jobs `in_progress`: what
-//!   the lease sweep reads. Every job enters it at its claim and leaves it when it settles,
-//!   so it is keyed like `job_rows`: keyed by id, a group commit's n claims and n settles
-//!   touched up to 2n random pages of it; keyed by time they share the rightmost few. Its
-//!   listing is sorted by id when read (it holds only the jobs running now). Files written
-//!   before keep it as `in_progress`, keyed by id, and are moved like the rows.
-//! - `unknown`: job id → (), the jobs an operator must resolve, listed in id order.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,10 +57,8 @@ const LEGACY_RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("res
 const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
 /// Ids of the jobs that are `unknown`: what an operator must resolve, without a scan.
 const UNKNOWN: TableDefinition<&str, ()> = TableDefinition::new("unknown");
-/// Row keys of the jobs `in_progress` → their lease's end (ms): what the lease sweep reads.
-const IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progress_rows");
-/// The same index in files written before, keyed by job id.
-const LEGACY_IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progress");
+/// Jobs `in_progress` → their lease's end (ms): what the lease sweep reads.
+const IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progress");
 
 /// Most operations committed by one transaction.
 const MAX_GROUP: usize = 512;
@@ -354,17 +345,6 @@ fn move_legacy_rows(txn: &redb::WriteTransaction) -> tables::TxResult<usize> {
         }
         txn.delete_table(legacy)?;
     }
-    if present.iter().any(|name| name == LEGACY_IN_PROGRESS.name()) {
-        {
-            let from = txn.open_table(LEGACY_IN_PROGRESS)?;
-            let mut to = txn.open_table(IN_PROGRESS)?;
-            for entry in from.iter()? {
-                let (id, lease) = entry?;
-                to.insert(row_key(id.value()).as_str(), lease.value())?;
-            }
-        }
-        txn.delete_table(LEGACY_IN_PROGRESS)?;
-    }
     Ok(moved)
 }
 
@@ -377,18 +357,6 @@ fn row_key(id: &str) -> String {
         Some((tag, time)) => ["t", time, tag].concat(),
         None => format!("i{id}"),
     }
-}
-
-/// The job id a [`row_key`] was made from.
-fn id_of_row(row: &str) -> Option<String> {
-    use crate::job::SHARD_TAG_LEN;
-    if let Some(id) = row.strip_prefix('i') {
-        return Some(id.to_owned());
-    }
-    let ordered = row.strip_prefix('t')?;
-    let split = ordered.len().checked_sub(SHARD_TAG_LEN)?;
-    let (time, tag) = (ordered.get(..split)?, ordered.get(split..)?);
-    Some(["job_", tag, time].concat())
 }
 
 fn millis(t: SystemTime) -> u64 {
@@ -564,7 +532,7 @@ impl JobStore for EmbeddedStore {
             .map_err(|e| self.unavailable(e))?
             .filter_map(Result::ok)
             .filter(|(_, lease)| lease.value() <= millis(now))
-            .filter_map(|(row, _)| id_of_row(row.value()))
+            .map(|(id, _)| id.value().to_owned())
             .take(limit)
             .collect();
         let mut lapsed = Vec::new();
@@ -583,22 +551,7 @@ impl JobStore for EmbeddedStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        use redb::ReadableTable;
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let leases = txn
-            .open_table(IN_PROGRESS)
-            .map_err(|e| self.unavailable(e))?;
-        let mut ids = Vec::new();
-        for entry in leases.iter().map_err(|e| self.unavailable(e))? {
-            let (row, _) = entry.map_err(|e| self.unavailable(e))?;
-            let id = id_of_row(row.value());
-            if let Some(id) = id.filter(|id| after.is_none_or(|after| id.as_str() > after)) {
-                ids.push(id);
-            }
-        }
-        ids.sort_unstable();
-        ids.truncate(limit);
-        Ok(ids)
+        self.ids_in(IN_PROGRESS, after, limit)
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -711,9 +664,6 @@ mod tests {
         assert_ne!(row_key(&id), row_key(&new_job_id("owner", "other")));
         assert_eq!(row_key("job_1"), "ijob_1");
         assert_eq!(row_key("anything"), "ianything");
-        for id in [id.as_str(), "job_1", "anything", "job_"] {
-            assert_eq!(id_of_row(&row_key(id)).as_deref(), Some(id));
-        }
     }
 
     /// What the index tables hold for `id`, read directly.
@@ -735,10 +685,7 @@ mod tests {
         tables::Indexed::new(
             expires[0],
             unknown.get(id).unwrap().is_some(),
-            in_progress
-                .get(row_key(id).as_str())
-                .unwrap()
-                .map(|v| v.value()),
+            in_progress.get(id).unwrap().map(|v| v.value()),
         )
     }
 
@@ -771,11 +718,6 @@ mod tests {
         let path = dir.path().join("old.db");
         let old = settled("owner", "k1", r#"{"old":true}"#);
         let id = old.job.id.clone();
-        // And one still running, whose gateway died: its lease has lapsed.
-        let now = crate::clock::now();
-        let mut running = fresh("owner", "k2", now);
-        running.job.lease_until = now - Duration::from_secs(1);
-        let running_id = running.job.id.clone();
         {
             // The layout of earlier files: jobs and responses keyed by the id itself.
             let db = Database::create(&path).expect("a database");
@@ -797,19 +739,6 @@ mod tests {
                 expiry
                     .insert((millis(row.job.expires_at), id.as_str()), ())
                     .unwrap();
-                let running_id = running_id.as_str();
-                jobs.insert(running_id, encode(&running).as_slice())
-                    .unwrap();
-                claims
-                    .insert(claim_key(&running).as_slice(), running_id)
-                    .unwrap();
-                expiry
-                    .insert((millis(running.job.expires_at), running_id), ())
-                    .unwrap();
-                let mut leases = txn.open_table(LEGACY_IN_PROGRESS).unwrap();
-                leases
-                    .insert(running_id, millis(running.job.lease_until))
-                    .unwrap();
             }
             txn.commit().unwrap();
         }
@@ -828,11 +757,6 @@ mod tests {
                 Claim::Existing(existing) => assert_eq!(existing.job.id, id),
                 Claim::Created(_) => panic!("a moved job lost its identity"),
             }
-            // The running job is still in the in-progress index, found by the lease sweep.
-            let listed = store.in_progress_jobs(None, 10).await.unwrap();
-            assert_eq!(listed, vec![running_id.clone()]);
-            let lapsed = store.lapsed_leases(crate::clock::now(), 10).await.unwrap();
-            assert_eq!(lapsed, vec![(running_id.clone(), running.job.version)]);
         }
 
         let db = Database::create(&path).expect("the file reopens");
@@ -845,12 +769,9 @@ mod tests {
                 .collect()
         };
         assert!(
-            !names
-                .iter()
-                .any(|n| n == "jobs" || n == "responses" || n == "in_progress"),
+            !names.iter().any(|n| n == "jobs" || n == "responses"),
             "{names:?}"
         );
         assert!(names.iter().any(|n| n == "job_rows"), "{names:?}");
-        assert!(names.iter().any(|n| n == "in_progress_rows"), "{names:?}");
     }
 }

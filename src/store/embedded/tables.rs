@@ -134,8 +134,8 @@ impl<'t> Tables<'t> {
         }
         match (before.and_then(|b| b.lease), after.lease) {
             (Some(old), Some(new)) if old == new => {}
-            (_, Some(lease)) => drop(self.in_progress.insert(row.as_str(), lease)?),
-            (Some(_), None) => drop(self.in_progress.remove(row.as_str())?),
+            (_, Some(lease)) => drop(self.in_progress.insert(id.as_str(), lease)?),
+            (Some(_), None) => drop(self.in_progress.remove(id.as_str())?),
             (None, None) => {}
         }
         record.job.response = response;
@@ -149,7 +149,7 @@ impl<'t> Tables<'t> {
         self.responses.remove(row.as_str())?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
-        self.in_progress.remove(row.as_str())?;
+        self.in_progress.remove(id)?;
         let key = claim_key(record);
         let owned = self
             .claims
