@@ -313,8 +313,11 @@ impl Engine {
             let end = self.run(route, None, request).await;
             return self.outcome(None, end).await;
         };
-        let idem = &self.config.idempotency;
         let now = crate::clock::now();
+        if let Some(record) = self.store.peek(&owner, &key, now) {
+            return self.existing(route, record, &fingerprint, request).await;
+        }
+        let idem = &self.config.idempotency;
         let policy = Self::expiry_policy(&self.config);
         let mut record = JobRecord::new(
             new_job_id(&owner, &key),
@@ -365,11 +368,20 @@ impl Engine {
                 };
                 self.run_job(route, job, request).await
             }
-            Claim::Existing(record) => {
-                tracing::Span::current().record("job_id", record.job.id.as_str());
-                self.resolve(route, record, &fingerprint, request).await
-            }
+            Claim::Existing(record) => self.existing(route, record, &fingerprint, request).await,
         }
+    }
+
+    /// A submission whose key names a live job, found by its claim or read beforehand.
+    async fn existing(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        record: JobRecord,
+        fingerprint: &str,
+        request: Arc<ClientRequest>,
+    ) -> Outcome {
+        tracing::Span::current().record("job_id", record.job.id.as_str());
+        self.resolve(route, record, fingerprint, request).await
     }
 
     /// A claim found an existing job: SPEC §3 step 6, looping while the job is in flight.

@@ -173,6 +173,23 @@ async fn a_timeout_is_unknown_blocks_attempts_and_its_late_answer_settles_the_jo
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retry_on_the_memory_store_is_answered_from_a_read_without_a_claim() {
+    let (engine, providers) = engine("", vec![script(200, 100), script(200, 100)]);
+    let (id, _, replayed) = answered(&submit(&engine, "k").await);
+    assert!(!replayed);
+    for _ in 0..3 {
+        let (again, n, replayed) = answered(&submit(&engine, "k").await);
+        assert_eq!((again.as_str(), n, replayed), (id.as_str(), 1, true));
+    }
+    assert_eq!(providers.calls(), [1, 0]);
+    let metrics = engine.metrics().render(None, &[]);
+    assert!(
+        metrics.contains(r#"idemgate_store_seconds_count{operation="claim"} 1"#),
+        "one claim, by the first request: {metrics}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_hedge_that_finishes_first_wins_even_over_the_primary() {
     // The primary answers after 1.8 s; the hedge starts at 1 s and answers after 0.5 s.
     let (engine, providers) = engine(

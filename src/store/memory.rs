@@ -284,6 +284,17 @@ impl JobStore for MemoryStore {
         Ok(Claim::Created(record))
     }
 
+    fn peek(&self, owner: &str, key: &str, now: SystemTime) -> Option<JobRecord> {
+        let state = self.lock();
+        let live = state
+            .by_key
+            .get(&identity(owner, key))
+            .and_then(|id| state.jobs.get(id))
+            .map(|r| &**r)
+            .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
+        Some(live.clone())
+    }
+
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         Ok(self.lock().jobs.get(id).map(|r| (**r).clone()))
     }
@@ -451,6 +462,25 @@ mod tests {
             (0, 0, 0)
         );
         assert!(state.in_progress.is_empty() && state.unknown.is_empty());
+    }
+
+    #[tokio::test]
+    async fn peek_finds_only_the_live_job_of_the_same_owner_and_key() {
+        let store = MemoryStore::new(POLICY);
+        let now = crate::clock::now();
+        assert!(store.peek("owner", "key-1", now).is_none());
+        store.claim(record(1, now), now).await.unwrap();
+        let found = store.peek("owner", "key-1", now).expect("the live job");
+        assert_eq!(found.job.id, "job_000001");
+        assert!(store.peek("other", "key-1", now).is_none(), "another owner");
+        assert!(store.peek("owner", "key-2", now).is_none(), "another key");
+        // Once expired, the job is the next claim's to replace, not a peek's to return.
+        let later = found.job.expires_at + Duration::from_secs(1);
+        assert!(store.peek("owner", "key-1", later).is_none());
+        let mut again = record(2, later);
+        again.job.key = "key-1".into();
+        let claimed = store.claim(again, later).await.unwrap();
+        assert!(matches!(claimed, Claim::Created(r) if r.job.id == "job_000002"));
     }
 
     #[test]

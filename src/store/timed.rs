@@ -44,6 +44,10 @@ impl JobStore for Timed {
             .await
     }
 
+    fn peek(&self, owner: &str, key: &str, now: SystemTime) -> Option<JobRecord> {
+        self.inner.peek(owner, key, now)
+    }
+
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         self.bounded(self.limit, self.inner.get(id)).await
     }

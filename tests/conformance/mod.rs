@@ -70,6 +70,16 @@ async fn apply(
     (applied.outcome, applied.record)
 }
 
+/// Runs a fresh job's first attempt to a successful answer.
+async fn succeed(store: &dyn JobStore, id: &str) {
+    start(store, id, 1, "p").await;
+    let complete = Transition::Complete {
+        n: 1,
+        response: answer("x"),
+    };
+    apply(store, id, complete).await.0.unwrap();
+}
+
 async fn start(store: &dyn JobStore, id: &str, version: u64, provider: &str) -> u32 {
     let record = store.get(id).await.unwrap().expect("the job exists");
     let t = Transition::StartAttempt {
@@ -813,18 +823,7 @@ pub async fn lapsed_leases_are_listed_from_an_index(store: Arc<dyn JobStore>) {
     };
     let live = created(&*store, "o", "live").await.job.id;
     let settled = created(&*store, "o", "settled").await.job.id;
-    start(&*store, &settled, 1, "p").await;
-    apply(
-        &*store,
-        &settled,
-        Transition::Complete {
-            n: 1,
-            response: answer("x"),
-        },
-    )
-    .await
-    .0
-    .unwrap();
+    succeed(&*store, &settled).await;
     let listed = store.lapsed_leases(now, 10).await.unwrap();
     assert_eq!(
         listed,
@@ -846,18 +845,7 @@ pub async fn in_progress_jobs_are_listed_in_id_order(store: Arc<dyn JobStore>) {
         claimed.push(created(&*store, "o", key).await.job.id);
     }
     let settled = claimed.remove(1);
-    start(&*store, &settled, 1, "p").await;
-    apply(
-        &*store,
-        &settled,
-        Transition::Complete {
-            n: 1,
-            response: answer("x"),
-        },
-    )
-    .await
-    .0
-    .unwrap();
+    succeed(&*store, &settled).await;
     let mut running = claimed.clone();
     running.sort();
     assert_ne!(
