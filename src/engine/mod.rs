@@ -33,7 +33,7 @@ use crate::breaker::Breakers;
 use crate::config::{Config, Route};
 use crate::error::Cause;
 use crate::job::{
-    new_job_id, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
+    job_id_for, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
 };
 use crate::metrics::Metrics;
 use crate::probe::ProbeResults;
@@ -314,13 +314,14 @@ impl Engine {
             return self.outcome(None, end).await;
         };
         let now = crate::clock::now();
-        if let Some(record) = self.store.peek(&owner, &key, now) {
+        let identity = crate::job::claim_digest_bytes(&owner, &key);
+        if let Some(record) = self.store.peek(&identity, now) {
             return self.existing(route, record, &fingerprint, request).await;
         }
         let idem = &self.config.idempotency;
         let policy = Self::expiry_policy(&self.config);
         let mut record = JobRecord::new(
-            new_job_id(&owner, &key),
+            job_id_for(&identity),
             owner,
             key,
             fingerprint.clone(),

@@ -26,14 +26,16 @@ pub type JobId = String;
 /// and key, then a time-ordered UUIDv7. The tag lets a store keep a job next to its claim
 /// (on Redis Cluster: in the same hash slot) and still find the job from its id alone.
 pub fn new_job_id(owner: &str, key: &str) -> JobId {
+    job_id_for(&claim_digest_bytes(owner, key))
+}
+
+/// [`new_job_id`] for the (owner, key) whose [`claim_digest_bytes`] the caller holds.
+pub(crate) fn job_id_for(identity: &[u8; 32]) -> JobId {
     // Built in place, in one allocation: the digest's hex string and a `format!` showed in
-    // the profile of a replay, which claims with a fresh id too.
+    // the profile of a new job.
     let mut tag = [0u8; SHARD_TAG_LEN];
-    hex::encode_to_slice(
-        &claim_digest_bytes(owner, key)[..SHARD_TAG_LEN / 2],
-        &mut tag,
-    )
-    .expect("the tag is half the digest's first bytes in hex");
+    hex::encode_to_slice(&identity[..SHARD_TAG_LEN / 2], &mut tag)
+        .expect("the tag is half the digest's first bytes in hex");
     let mut time_ordered = [0u8; uuid::fmt::Simple::LENGTH];
     let time_ordered = uuid::Uuid::now_v7()
         .simple()

@@ -284,11 +284,11 @@ impl JobStore for MemoryStore {
         Ok(Claim::Created(record))
     }
 
-    fn peek(&self, owner: &str, key: &str, now: SystemTime) -> Option<JobRecord> {
+    fn peek(&self, identity: &[u8; 32], now: SystemTime) -> Option<JobRecord> {
         let state = self.lock();
         let live = state
             .by_key
-            .get(&identity(owner, key))
+            .get(identity)
             .and_then(|id| state.jobs.get(id))
             .map(|r| &**r)
             .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
@@ -468,15 +468,16 @@ mod tests {
     async fn peek_finds_only_the_live_job_of_the_same_owner_and_key() {
         let store = MemoryStore::new(POLICY);
         let now = crate::clock::now();
-        assert!(store.peek("owner", "key-1", now).is_none());
+        let peek = |owner, key, at| store.peek(&identity(owner, key), at);
+        assert!(peek("owner", "key-1", now).is_none());
         store.claim(record(1, now), now).await.unwrap();
-        let found = store.peek("owner", "key-1", now).expect("the live job");
+        let found = peek("owner", "key-1", now).expect("the live job");
         assert_eq!(found.job.id, "job_000001");
-        assert!(store.peek("other", "key-1", now).is_none(), "another owner");
-        assert!(store.peek("owner", "key-2", now).is_none(), "another key");
+        assert!(peek("other", "key-1", now).is_none(), "another owner");
+        assert!(peek("owner", "key-2", now).is_none(), "another key");
         // Once expired, the job is the next claim's to replace, not a peek's to return.
         let later = found.job.expires_at + Duration::from_secs(1);
-        assert!(store.peek("owner", "key-1", later).is_none());
+        assert!(peek("owner", "key-1", later).is_none());
         let mut again = record(2, later);
         again.job.key = "key-1".into();
         let claimed = store.claim(again, later).await.unwrap();

@@ -70,11 +70,12 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     /// them, in one atomic step. An expired job is replaced.
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError>;
 
-    /// The live job of (owner, key), where the store can read it in memory, without a round
-    /// trip or a transaction: lets a retry skip minting a new job (a fresh id, its digest,
-    /// its first attempt) only for its claim to find the stored one. `None` means "claim to
-    /// find out", which is always right: a claim returns the live job too.
-    fn peek(&self, _owner: &str, _key: &str, _now: SystemTime) -> Option<JobRecord> {
+    /// The live job of an (owner, key), named by its identity (`job::claim_digest_bytes`),
+    /// where the store can read it in memory, without a round trip or a transaction: lets a
+    /// retry skip minting a new job (a fresh id, its first attempt) only for its claim to
+    /// find the stored one. `None` means "claim to find out", which is always right: a
+    /// claim returns the live job too.
+    fn peek(&self, _identity: &[u8; 32], _now: SystemTime) -> Option<JobRecord> {
         None
     }
 

@@ -44,8 +44,8 @@ impl JobStore for Timed {
             .await
     }
 
-    fn peek(&self, owner: &str, key: &str, now: SystemTime) -> Option<JobRecord> {
-        self.inner.peek(owner, key, now)
+    fn peek(&self, identity: &[u8; 32], now: SystemTime) -> Option<JobRecord> {
+        self.inner.peek(identity, now)
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
