@@ -33,7 +33,8 @@ use crate::breaker::Breakers;
 use crate::config::{Config, Route};
 use crate::error::Cause;
 use crate::job::{
-    job_id_for, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState, StoredResponse, Transition,
+    claim_digest_bytes, job_id_for, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState,
+    StoredResponse, Transition,
 };
 use crate::metrics::Metrics;
 use crate::probe::ProbeResults;
@@ -314,7 +315,7 @@ impl Engine {
             return self.outcome(None, end).await;
         };
         let now = crate::clock::now();
-        let identity = crate::job::claim_digest_bytes(&owner, &key);
+        let identity = claim_digest_bytes(&owner, &key);
         if let Some(record) = self.store.peek(&identity, now) {
             return self.existing(route, record, &fingerprint, request).await;
         }
