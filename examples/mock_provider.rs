@@ -4,7 +4,9 @@
 //!     cargo run --release --example mock_provider -- 127.0.0.1:9000
 //!
 //! `ANSWER_BYTES=2048` pads the answer with trailing whitespace (still the same JSON) to
-//! that size, for measuring what a stored job of a given size costs.
+//! that size, for measuring what a stored job of a given size costs. `ANSWER_HEADERS=openai`
+//! adds the headers OpenAI's API sends with a chat completion (rate limits, request id,
+//! Cloudflare's cookies and ray), since a stored answer keeps every header it came with.
 
 use std::convert::Infallible;
 
@@ -18,6 +20,36 @@ use tokio::net::TcpListener;
 
 const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
 
+/// Headers of a chat completion from `api.openai.com`, with made-up values of the real shapes.
+const OPENAI_HEADERS: &[(&str, &str)] = &[
+    ("access-control-expose-headers", "X-Request-ID"),
+    ("openai-organization", "user-4x8kq2m9zv7w1n3b5c6d"),
+    ("openai-processing-ms", "412"),
+    ("openai-project", "proj_Q1w2E3r4T5y6U7i8O9p0AsDf"),
+    ("openai-version", "2020-10-01"),
+    ("x-ratelimit-limit-requests", "10000"),
+    ("x-ratelimit-limit-tokens", "30000000"),
+    ("x-ratelimit-remaining-requests", "9999"),
+    ("x-ratelimit-remaining-tokens", "29999978"),
+    ("x-ratelimit-reset-requests", "6ms"),
+    ("x-ratelimit-reset-tokens", "0s"),
+    ("x-request-id", "req_7b5f2e8c1a9d4e3f8b6c0a2d4e6f8a1b"),
+    ("strict-transport-security", "max-age=31536000; includeSubDomains; preload"),
+    ("cf-cache-status", "DYNAMIC"),
+    (
+        "set-cookie",
+        "__cf_bm=Zx8.Yw7Vu6Ts5Rq4Po3Nm2Lk1Ji0Hg9Fe8Dc7Ba6-1764590400-1.0.1.1-QwErTyUiOpAsDfGhJkLzXcVbNm; path=/; expires=Mon, 01-Dec-26 12:30:00 GMT; domain=.api.openai.com; HttpOnly; Secure; SameSite=None",
+    ),
+    (
+        "set-cookie",
+        "_cfuvid=Ab1Cd2Ef3Gh4Ij5Kl6Mn7Op8Qr9St0Uv1Wx2Yz3-1764590400123-0.0.1.1-604800000; path=/; domain=.api.openai.com; HttpOnly; Secure; SameSite=None",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("server", "cloudflare"),
+    ("cf-ray", "8f2a1b3c4d5e6f70-AMS"),
+    ("alt-svc", "h3=\":443\"; ma=86400"),
+];
+
 fn main() {
     let answer = match std::env::var("ANSWER_BYTES")
         .ok()
@@ -29,6 +61,10 @@ fn main() {
             Bytes::from(padded)
         }
         _ => Bytes::from_static(ANSWER),
+    };
+    let extra: &[(&str, &str)] = match std::env::var("ANSWER_HEADERS").as_deref() {
+        Ok("openai") => OPENAI_HEADERS,
+        _ => &[],
     };
     let addr = std::env::args()
         .nth(1)
@@ -52,10 +88,14 @@ fn main() {
                     async move {
                         let _ = request.into_body().collect().await;
                         let mut response = hyper::Response::new(Full::new(answer));
-                        response.headers_mut().insert(
+                        let headers = response.headers_mut();
+                        headers.insert(
                             hyper::header::CONTENT_TYPE,
                             hyper::header::HeaderValue::from_static("application/json"),
                         );
+                        for (name, value) in extra {
+                            headers.append(*name, hyper::header::HeaderValue::from_static(value));
+                        }
                         Ok::<_, Infallible>(response)
                     }
                 });
