@@ -11,7 +11,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
@@ -185,8 +184,8 @@ pub(super) async fn run_round(
 }
 
 /// A provider's `Retry-After`: delta-seconds or an HTTP date.
-fn retry_after(headers: &[(String, Bytes)]) -> Option<Duration> {
-    let value = headers.iter().find(|(k, _)| k == "retry-after")?.1.clone();
+fn retry_after(headers: &crate::job::Headers) -> Option<Duration> {
+    let value = headers.get("retry-after")?;
     let value = std::str::from_utf8(&value).ok()?.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));

@@ -71,7 +71,7 @@ fn answer(
     for (name, value) in stored.headers.iter() {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_maybe_shared(value.clone()),
+            HeaderValue::from_maybe_shared(value),
         ) {
             headers.append(name, value);
         }

@@ -9,8 +9,10 @@
 //! by a round names the version the round read, so a round that was cancelled and re-opened
 //! behind its back can no longer touch the job.
 
+mod headers;
 mod transition;
 
+pub use self::headers::Headers;
 pub use self::transition::{Effect, Failure, Rejection, Transition};
 
 use std::fmt;
@@ -188,17 +190,11 @@ impl std::str::FromStr for AttemptState {
     }
 }
 
-/// An answer's header names (lower case) and raw values, in the order the provider sent
-/// them.
-pub type Headers = std::sync::Arc<[(String, Bytes)]>;
-
 /// The answer a job settled with, replayed byte for byte. Hop-by-hop headers are never kept.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredResponse {
     pub status: u16,
     /// Header names (lower case) and raw values, in the order the provider sent them.
-    /// Shared, never changed: an answer is copied from the attempt to the transition to the
-    /// store and back into every record read, and each copy was a string per header.
     pub headers: Headers,
     pub body: Bytes,
     /// The answer was larger than `max_stored_response_bytes`: it reached the client that
@@ -752,20 +748,6 @@ mod tests {
             t(30),
             &POLICY,
         )
-    }
-
-    #[test]
-    fn shared_headers_are_stored_as_the_list_they_were() {
-        // Files, Redis blobs and PostgreSQL rows written with a `Vec` must read back.
-        let list = vec![(
-            "content-type".to_owned(),
-            Bytes::from_static(b"application/json"),
-        )];
-        let shared: Headers = list.clone().into();
-        let bytes = crate::store::encode(&shared);
-        assert_eq!(bytes, crate::store::encode(&list));
-        let back: Headers = crate::store::decode(&bytes).unwrap();
-        assert_eq!(back, shared);
     }
 
     fn answer(status: u16, body: &'static str) -> StoredResponse {
