@@ -547,8 +547,17 @@ impl Drop for Process {
     }
 }
 
+/// A port for a child gateway to listen on, below the kernel's ephemeral range
+/// (32768–60999 by default): a port the kernel handed out and took back could be handed out
+/// again as the source port of another test's outgoing connection before the child binds
+/// it, and the child would then fail to start.
 pub async fn free_port() -> u16 {
-    closed_port().await.port()
+    loop {
+        let port = fastrand::u16(20_000..32_000);
+        if TcpListener::bind(("127.0.0.1", port)).await.is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Starts the binary on `config` and waits (bounded) until its admin port accepts.
