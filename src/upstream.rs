@@ -336,14 +336,24 @@ mod tests {
         (*config.providers[0]).clone()
     }
 
+    /// A header map of `pairs`, in order, repeated names appended.
+    fn header_map(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, value.parse().unwrap());
+        }
+        map
+    }
+
     #[test]
     fn requests_are_rewritten_for_the_provider() {
-        let mut h = HeaderMap::new();
-        h.insert("authorization", "Bearer client".parse().unwrap());
-        h.insert("idempotency-key", "k1".parse().unwrap());
-        h.insert("connection", "keep-alive".parse().unwrap());
-        h.insert("content-length", "20".parse().unwrap());
-        h.insert("x-trace", "t".parse().unwrap());
+        let h = header_map(&[
+            ("authorization", "Bearer client"),
+            ("idempotency-key", "k1"),
+            ("connection", "keep-alive"),
+            ("content-length", "20"),
+            ("x-trace", "t"),
+        ]);
         let req = ClientRequest::new(
             Method::POST,
             "/v1/chat?x=1".into(),
@@ -370,14 +380,15 @@ mod tests {
 
     #[test]
     fn an_answers_headers_are_kept_in_the_providers_order_without_hop_by_hop_ones() {
-        let mut h = HeaderMap::new();
-        h.append("content-type", "application/json".parse().unwrap());
-        h.append("set-cookie", "a=1".parse().unwrap());
-        h.append("connection", "keep-alive, x-hop".parse().unwrap());
-        h.append("x-hop", "dropped".parse().unwrap());
-        h.append("x-empty", "".parse().unwrap());
-        h.append("set-cookie", "b=2".parse().unwrap());
-        h.append("x-request-id", "req_1".parse().unwrap());
+        let h = header_map(&[
+            ("content-type", "application/json"),
+            ("set-cookie", "a=1"),
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "dropped"),
+            ("x-empty", ""),
+            ("set-cookie", "b=2"),
+            ("x-request-id", "req_1"),
+        ]);
         let kept: Vec<(String, Bytes)> = kept_headers(h)
             .iter()
             .map(|(name, value)| (name.to_owned(), value))
