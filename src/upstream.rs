@@ -142,16 +142,16 @@ pub async fn next_data(body: &mut Body) -> Result<Option<Bytes>, CallError> {
     Ok(None)
 }
 
-/// An answer's headers as kept: hop-by-hop ones dropped, the others in the order the
-/// provider sent them (filtered, not removed, since a removal from a `HeaderMap` moves its
-/// last header into the gap), copied out of the connection's read buffer, which they would
-/// otherwise pin.
-pub fn kept_headers(headers: HeaderMap) -> crate::job::Headers {
-    let listed = headers::connection_listed(&headers);
+/// An answer's headers as kept: hop-by-hop ones and those in `also` dropped, the others in
+/// the order the provider sent them (filtered, not removed, since a removal from a
+/// `HeaderMap` moves its last header into the gap), copied out of the connection's read
+/// buffer, which they would otherwise pin.
+pub fn kept_headers(headers: &HeaderMap, also: &[HeaderName]) -> crate::job::Headers {
+    let listed = headers::connection_listed(headers);
     crate::job::Headers::from_pairs(
         headers
             .iter()
-            .filter(|(name, _)| !headers::is_hop_by_hop(name, &listed))
+            .filter(|(name, _)| !headers::is_hop_by_hop(name, &listed) && !also.contains(name))
             .map(|(name, value)| (name.as_str(), value.as_bytes())),
     )
 }
@@ -379,17 +379,18 @@ mod tests {
     }
 
     #[test]
-    fn an_answers_headers_are_kept_in_the_providers_order_without_hop_by_hop_ones() {
+    fn an_answers_headers_are_kept_in_the_providers_order_without_hop_by_hop_or_named_ones() {
         let h = header_map(&[
             ("content-type", "application/json"),
             ("set-cookie", "a=1"),
             ("connection", "keep-alive, x-hop"),
             ("x-hop", "dropped"),
+            ("x-drop", "dropped too"),
             ("x-empty", ""),
             ("set-cookie", "b=2"),
             ("x-request-id", "req_1"),
         ]);
-        let kept: Vec<(String, Bytes)> = kept_headers(h)
+        let kept: Vec<(String, Bytes)> = kept_headers(&h, &[HeaderName::from_static("x-drop")])
             .iter()
             .map(|(name, value)| (name.to_owned(), value))
             .collect();

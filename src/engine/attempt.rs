@@ -137,7 +137,7 @@ impl AttemptTask {
             Err(_) => Outcome::Unknown("no answer within late_result_window".into()),
             Ok(Ok(Answer::Whole(head, body))) => self.classify_answer(StoredResponse {
                 status: head.status.as_u16(),
-                headers: kept_headers(head.headers),
+                headers: kept_headers(&head.headers, &[]),
                 body,
                 body_omitted: false,
             }),

@@ -55,11 +55,10 @@ impl AttemptTask {
             }
         }
         self.engine.breakers.record_success(self.provider_index);
-        let mut headers = head.headers;
-        headers.remove(http::header::CONTENT_LENGTH);
         let live = LiveStream {
             status: head.status.as_u16(),
-            headers: kept_headers(headers),
+            // A relayed stream's length is the relay's to set.
+            headers: kept_headers(&head.headers, &[http::header::CONTENT_LENGTH]),
             n,
             provider: provider.name.clone(),
             recording: Recording::new(self.engine.config().server.max_stored_response_bytes),
