@@ -184,10 +184,13 @@ done
 # fresh memory-store gateway, fresh keys for a few seconds.
 # stored_job_memory "PROVIDER ENV" WHAT: prints the note.
 stored_job_memory() {
-  local provider_env="$1" what="$2" answer_port provider port gw run rss_before rss_after jobs
+  local provider_env="$1" what="$2" answer_port port run rss_before rss_after jobs
   answer_port="$(free_port)"
   env $provider_env taskset -c 0 "$provider_bin" "127.0.0.1:$answer_port" >/dev/null &
   provider=$!
+  # Called in a command substitution, a subshell that has not the script's trap: stop what
+  # it started however it ends.
+  trap 'kill "$provider" ${gw:-} 2>/dev/null || true' EXIT
   wait_port "$answer_port"
   port="$(free_port)"
   sed -e "s|^listen = .*|listen = \"127.0.0.1:$port\"|" \
@@ -200,9 +203,6 @@ stored_job_memory() {
   rss_after="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
   jobs="$(field requests "$run")"
   echo "memory store: $(( (rss_after - rss_before) * 1024 / jobs )) bytes of RSS per stored job ($jobs jobs, $what)"
-  # Run in a command substitution, so its processes are stopped here, not by the trap.
-  kill "$gw" "$provider"
-  wait "$gw" "$provider" 2>/dev/null || true
 }
 if [[ " $STORES " == *" memory "* ]]; then
   memory_2k_note="$(stored_job_memory ANSWER_BYTES=2048 "2048-byte answer")"
