@@ -1,7 +1,7 @@
 //! Header rules: the gateway's own response headers, and the hop-by-hop headers that never
 //! cross it in either direction (RFC 9110 §7.6.1).
 
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 pub const JOB_ID: HeaderName = HeaderName::from_static("x-idempotency-job-id");
 pub const ATTEMPT: HeaderName = HeaderName::from_static("x-idempotency-attempt");
@@ -39,19 +39,27 @@ pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
-/// Removes every hop-by-hop header in place.
+/// The headers that cross the gateway: all but the hop-by-hop ones, in their order.
+pub fn end_to_end(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+    let listed = connection_listed(headers);
+    headers
+        .iter()
+        .filter(move |(name, _)| !is_hop_by_hop(name, &listed))
+}
+
+/// Drops every hop-by-hop header, keeping the others in their order.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let listed = connection_listed(headers);
     // One pass over the handful of headers there are, instead of a hashed removal of every
     // name that might be there (ten lookups per request and per answer).
-    let present: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| is_hop_by_hop(name, &listed))
-        .cloned()
-        .collect();
-    for name in present {
-        headers.remove(name);
+    if !headers.keys().any(|name| is_hop_by_hop(name, &listed)) {
+        return;
     }
+    // Rebuilt, not removed from: a removal from a `HeaderMap` moves its last header into the
+    // gap, and a provider's answer is passed on with its headers as it sent them.
+    let mut kept = HeaderMap::with_capacity(headers.len());
+    kept.extend(end_to_end(headers).map(|(name, value)| (name.clone(), value.clone())));
+    *headers = kept;
 }
 
 #[cfg(test)]
@@ -72,5 +80,31 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn headers_left_after_stripping_keep_their_order() {
+        let mut h = HeaderMap::new();
+        h.append("x-first", "1".parse().unwrap());
+        h.append(header::CONNECTION, "keep-alive".parse().unwrap());
+        h.append("x-second", "2".parse().unwrap());
+        h.append("set-cookie", "a".parse().unwrap());
+        h.append("x-third", "3".parse().unwrap());
+        h.append("set-cookie", "b".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        let left: Vec<(&str, &str)> = h
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                ("x-first", "1"),
+                ("x-second", "2"),
+                ("set-cookie", "a"),
+                ("set-cookie", "b"),
+                ("x-third", "3"),
+            ]
+        );
     }
 }

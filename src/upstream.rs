@@ -147,11 +147,9 @@ pub async fn next_data(body: &mut Body) -> Result<Option<Bytes>, CallError> {
 /// `HeaderMap` moves its last header into the gap), copied out of the connection's read
 /// buffer, which they would otherwise pin.
 pub fn kept_headers(headers: &HeaderMap, also: &[HeaderName]) -> crate::job::Headers {
-    let listed = headers::connection_listed(headers);
     crate::job::Headers::from_pairs(
-        headers
-            .iter()
-            .filter(|(name, _)| !headers::is_hop_by_hop(name, &listed) && !also.contains(name))
+        headers::end_to_end(headers)
+            .filter(|(name, _)| !also.contains(name))
             .map(|(name, value)| (name.as_str(), value.as_bytes())),
     )
 }
