@@ -263,13 +263,27 @@ impl ClientRequest {
     /// headers, `Host` and `Content-Length` (recomputed) and the client's own idempotency
     /// key do not cross.
     pub fn for_provider(&self, provider: &Provider, job_id: Option<&str>) -> Request<Body> {
-        let mut headers = self.headers.clone();
-        headers::strip_hop_by_hop(&mut headers);
-        headers.remove(http::header::HOST);
-        headers.remove(http::header::CONTENT_LENGTH);
-        headers.remove(&self.key_header);
-        headers.remove(headers::IDEMPOTENCY_KEY);
-        set_provider_headers(&mut headers, provider, &self.credentials);
+        // Built in one pass over the client's headers, in their order, instead of a copy of
+        // the whole map with a hashed removal of every name that must not cross.
+        let credentials: &[HeaderName] = if provider.forward_client_credentials {
+            &[]
+        } else {
+            &self.credentials
+        };
+        let mut headers = HeaderMap::with_capacity(self.headers.len() + provider.headers.len() + 1);
+        for (name, value) in headers::end_to_end(&self.headers) {
+            let gateways_own = name == http::header::HOST
+                || name == http::header::CONTENT_LENGTH
+                || *name == self.key_header
+                || name == headers::IDEMPOTENCY_KEY
+                || credentials.contains(name);
+            if !gateways_own {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        for (name, value) in &provider.headers {
+            headers.insert(name.clone(), value.clone());
+        }
         if let Some(id) = job_id.and_then(|id| HeaderValue::from_str(id).ok()) {
             headers.insert(headers::IDEMPOTENCY_KEY, id);
         }
@@ -373,6 +387,60 @@ mod tests {
         assert_eq!(
             apply_body_set(&Bytes::from_static(b"raw"), &provider("http://x").body_set),
             "raw"
+        );
+    }
+
+    #[test]
+    fn a_provider_request_keeps_the_clients_header_order_without_the_gateways_own() {
+        let h = header_map(&[
+            ("x-first", "1"),
+            ("host", "gateway.example"),
+            ("x-api-key", "client-key"),
+            ("x-second", "2"),
+            ("idempotency-key", "k1"),
+            ("x-third", "3"),
+            ("content-length", "2"),
+            ("x-fourth", "4"),
+        ]);
+        let mut req = ClientRequest::new(
+            Method::POST,
+            "/v1/chat".into(),
+            h,
+            Bytes::from_static(b"{}"),
+            &HeaderName::from_static("idempotency-key"),
+        );
+        req.credentials = Arc::new([HeaderName::from_static("x-api-key")]);
+        let names = |provider: &Provider| -> Vec<String> {
+            req.for_provider(provider, Some("job_9"))
+                .headers()
+                .keys()
+                .map(|name| name.as_str().to_owned())
+                .collect()
+        };
+        let mut own = provider("https://example.com/");
+        assert_eq!(
+            names(&own),
+            [
+                "x-first",
+                "x-second",
+                "x-third",
+                "x-fourth",
+                "authorization",
+                "idempotency-key"
+            ]
+        );
+        own.forward_client_credentials = true;
+        assert_eq!(
+            names(&own),
+            [
+                "x-first",
+                "x-api-key",
+                "x-second",
+                "x-third",
+                "x-fourth",
+                "authorization",
+                "idempotency-key"
+            ]
         );
     }
 
