@@ -3,10 +3,13 @@
 //! exchange can break are told apart, because that decides between failover and `unknown`.
 
 use std::error::Error as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -46,10 +49,95 @@ struct Hyper {
 impl Transport for Hyper {
     fn send(&self, index: usize, request: Request<Body>) -> Exchange {
         let client = self.clients[index].clone();
+        let (parts, outgoing) = request.into_parts();
+        let outgoing = Outgoing::new(outgoing);
+        let taken_all = outgoing.taken_all.clone();
+        let request = Request::from_parts(parts, body::boxed(outgoing));
         Box::pin(async move {
-            let response = client.request(request).await.map_err(classify)?;
+            let response = client
+                .request(request)
+                .await
+                .map_err(|e| classify(e, taken_all.load(Ordering::Acquire)))?;
             Ok(response.map(body::boxed))
         })
+    }
+}
+
+/// A request body as hyper takes it: in slices of at most [`Outgoing::SLICE`] bytes, noting
+/// when the last one was taken. Until then the provider cannot hold the whole request, so a
+/// connection that breaks is a request not sent, whichever side of the connection notices
+/// the break first: a write of the body, or a read that finds the provider's reset (hyper
+/// reports that one as a connection error, like a reset after a whole request).
+struct Outgoing {
+    inner: Body,
+    /// The rest of a frame larger than a slice.
+    pending: Bytes,
+    taken_all: Arc<AtomicBool>,
+}
+
+impl Outgoing {
+    /// Small enough that hyper takes the body a few slices ahead of the socket, not all at
+    /// once; large enough that a request body of the usual size is one frame.
+    const SLICE: usize = 64 * 1024;
+
+    fn new(inner: Body) -> Self {
+        Self {
+            // An empty body is never polled: it is all taken from the start.
+            taken_all: Arc::new(AtomicBool::new(inner.is_end_stream())),
+            inner,
+            pending: Bytes::new(),
+        }
+    }
+
+    fn slice(&mut self, mut data: Bytes) -> Bytes {
+        if data.len() > Self::SLICE {
+            self.pending = data.split_off(Self::SLICE);
+        }
+        if self.pending.is_empty() && self.inner.is_end_stream() {
+            self.taken_all.store(true, Ordering::Release);
+        }
+        data
+    }
+}
+
+impl http_body::Body for Outgoing {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if !this.pending.is_empty() {
+            let rest = std::mem::take(&mut this.pending);
+            return Poll::Ready(Some(Ok(Frame::data(this.slice(rest)))));
+        }
+        match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+            None => {
+                this.taken_all.store(true, Ordering::Release);
+                Poll::Ready(None)
+            }
+            Some(Ok(frame)) => Poll::Ready(Some(Ok(match frame.into_data() {
+                Ok(data) => Frame::data(this.slice(data)),
+                Err(frame) => frame,
+            }))),
+            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.pending.is_empty() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = self.inner.size_hint();
+        let pending = self.pending.len() as u64;
+        hint.set_lower(hint.lower() + pending);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + pending);
+        }
+        hint
     }
 }
 
@@ -169,18 +257,19 @@ fn client_for(provider: &Provider) -> HttpsClient {
     Client::builder(TokioExecutor::new()).build(https)
 }
 
-fn classify(error: hyper_util::client::legacy::Error) -> CallError {
+/// What a failed exchange means; `taken_all`: whether hyper took the whole request body.
+fn classify(error: hyper_util::client::legacy::Error, taken_all: bool) -> CallError {
     if error.is_connect() {
         return CallError::Connect(error.into());
     }
     let mut source = error.source();
-    let mut not_sent = false;
+    let mut not_sent = !taken_all;
     while let Some(e) = source {
         if let Some(e) = e.downcast_ref::<hyper::Error>() {
             // Canceled: the pooled connection closed before the request went out. A failed
             // body write: the connection broke while the request was still being sent.
             // (hyper has no predicate for the latter; its kind shows in its message.)
-            not_sent = e.is_canceled()
+            not_sent |= e.is_canceled()
                 || e.is_body_write_aborted()
                 || e.to_string()
                     .starts_with("error writing a body to connection");
@@ -388,6 +477,38 @@ mod tests {
             apply_body_set(&Bytes::from_static(b"raw"), &provider("http://x").body_set),
             "raw"
         );
+    }
+
+    /// The frames `outgoing` yields, each with whether the whole body counted as taken
+    /// right after it, and the size hint before the first.
+    async fn frames_of(mut outgoing: Outgoing) -> (Option<u64>, Vec<(usize, bool)>) {
+        let exact = outgoing.size_hint().exact();
+        let mut frames = Vec::new();
+        while let Some(frame) = outgoing.frame().await {
+            let data = frame.unwrap().into_data().unwrap();
+            frames.push((data.len(), outgoing.taken_all.load(Ordering::Acquire)));
+        }
+        assert!(outgoing.taken_all.load(Ordering::Acquire));
+        (exact, frames)
+    }
+
+    #[tokio::test]
+    async fn a_large_request_body_is_taken_in_slices_and_counts_as_sent_at_its_last() {
+        let big = Outgoing::new(body::full(vec![7u8; 150 * 1024]));
+        assert!(!big.taken_all.load(Ordering::Acquire));
+        assert_eq!(
+            frames_of(big).await,
+            (
+                Some(150 * 1024),
+                vec![(64 * 1024, false), (64 * 1024, false), (22 * 1024, true)]
+            )
+        );
+        let small = Outgoing::new(body::full(vec![7u8; 600]));
+        assert_eq!(frames_of(small).await, (Some(600), vec![(600, true)]));
+        // hyper never polls an empty body: it is sent as soon as the head is.
+        let empty = Outgoing::new(body::full(Bytes::new()));
+        assert!(empty.taken_all.load(Ordering::Acquire));
+        assert_eq!(frames_of(empty).await, (Some(0), vec![]));
     }
 
     #[test]
