@@ -12,7 +12,9 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 pub const KEY_HONOURED: HeaderName = HeaderName::from_static("idempotency-key-honoured");
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-const HOP_BY_HOP: [HeaderName; 8] = [
+// A `static`, not a `const`: a `const` array of `HeaderName`s is built, and dropped, at
+// every use, and this one is read for every header of every request and answer.
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,

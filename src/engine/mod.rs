@@ -58,7 +58,7 @@ pub struct Engine {
     streams: LiveStreams,
     /// Rounds this process is running, by job id, with the version each read: on shutdown
     /// the ones still running are marked `unknown`, never left `in_progress`.
-    rounds: Mutex<HashMap<JobId, u64>>,
+    rounds: Mutex<Rounds>,
     /// Every task of this engine (rounds, attempts, streams, probers), so shutdown can wait.
     tasks: TaskTracker,
     /// Cancelled by [`Engine::crash`]: every task stops at its next await, as if killed.
@@ -161,7 +161,7 @@ impl Engine {
             ),
             probes: Arc::new(ProbeResults::default()),
             streams: LiveStreams::default(),
-            rounds: Mutex::new(HashMap::new()),
+            rounds: Mutex::new(Rounds::default()),
             tasks: TaskTracker::new(),
             killed: CancellationToken::new(),
             stopping: CancellationToken::new(),
@@ -594,10 +594,15 @@ impl Engine {
         }
     }
 
-    fn lock_rounds(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, u64>> {
+    fn lock_rounds(&self) -> std::sync::MutexGuard<'_, Rounds> {
         self.rounds.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// Running rounds by job id, with the version each read. Hashed with foldhash, not SipHash:
+/// an entry is made and removed by every new job, and ids are minted by the gateway (a
+/// digest and random bits), so a client cannot aim them at one bucket.
+type Rounds = HashMap<JobId, u64, foldhash::fast::RandomState>;
 
 /// A round's entry in [`Engine::rounds`], removed when the round's task ends or is dropped.
 struct RoundRegistration<'a> {
