@@ -68,8 +68,8 @@ where
 
 /// `now` as RFC 3339 with microseconds and a space, as `humantime::format_rfc3339_micros`
 /// writes it. The date and time of day change once a second, so each thread keeps the
-/// second it last formatted and writes only the microseconds anew: formatting the whole
-/// timestamp was a third of the access line's formatting, which runs once per request.
+/// second it last formatted and writes only the microseconds anew: the access line is
+/// written once per request, and working out the date went through `fmt` for every one.
 fn write_time(writer: &mut Writer<'_>, now: SystemTime) -> fmt::Result {
     thread_local! {
         static SECOND: Cell<Option<(u64, [u8; 19])>> = const { Cell::new(None) };
