@@ -382,6 +382,96 @@ async fn a_duplicate_on_another_gateway_follows_the_stream_through_postgres() {
     follows_across(open().await, open().await).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_on_another_gateway_follows_a_retried_stream_not_the_cut_one() {
+    let server = common::redis_server::RedisServer::start().await;
+    let url = common::pg_server::shared().database().await;
+    let policy = idemgate::job::ExpiryPolicy {
+        retention: Duration::from_secs(3600),
+        late_result_window: Duration::from_secs(600),
+    };
+    let redis = || async {
+        let config = idemgate::config::StoreConfig {
+            kind: idemgate::config::StoreKind::Redis,
+            path: Default::default(),
+            urls: vec![server.url()],
+            cluster: false,
+            key_prefix: "idemgate".into(),
+            pool_size: None,
+            wait_replicas: 0,
+            op_timeout: std::time::Duration::from_secs(2),
+        };
+        let store = idemgate::store::redis::RedisStore::open(&config, policy).await;
+        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
+    };
+    let postgres = || async {
+        let config = common::pg_server::store_config(&url, 4);
+        let store = idemgate::store::postgres::PostgresStore::open(&config, policy).await;
+        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
+    };
+    follows_a_retry_across(redis().await, redis().await).await;
+    follows_a_retry_across(postgres().await, postgres().await).await;
+}
+
+/// Gateway `a` relays a stream that is cut after three chunks, then the retry's stream; a
+/// duplicate on gateway `b` follows the retry's stream from its own first chunk, with none
+/// of the cut stream's chunks and not its cut.
+async fn follows_a_retry_across(
+    a: Arc<dyn idemgate::store::JobStore>,
+    b: Arc<dyn idemgate::store::JobStore>,
+) {
+    let mut provider = StreamingProvider::start().await;
+    let a = TestGateway::start_on(&config(&provider.url(), ""), a).await;
+    let b = TestGateway::start_on(&config(&provider.url(), ""), b).await;
+    let events = events();
+    let key = "k-again";
+
+    let first = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), key));
+    let upstream = provider.next_call().await;
+    for event in &events[..3] {
+        send_chunk(&upstream, event);
+    }
+    let mut first = first.await.unwrap();
+    let id = first.headers["x-idempotency-job-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    first
+        .read_exactly(events[..3].iter().map(Bytes::len).sum())
+        .await;
+    upstream
+        .send(Err(std::io::Error::other("connection reset")))
+        .unwrap();
+    assert!(
+        first.read_to_end().await.is_err(),
+        "the first stream is cut"
+    );
+    a.job_eventually(&id, |v| v["job"]["state"] == "failed")
+        .await;
+    drop(upstream);
+
+    let retry = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), key));
+    let upstream = provider.next_call().await;
+    send_chunk(&upstream, &events[0]);
+    let mut retry = retry.await.unwrap();
+    assert_eq!(retry.headers["x-idempotency-attempt"], "2");
+    assert_eq!(retry.read_exactly(events[0].len()).await, events[0]);
+
+    let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), key).await;
+    assert_eq!(duplicate.headers["x-idempotency-attempt"], "2");
+    assert_eq!(duplicate.read_exactly(events[0].len()).await, events[0]);
+    for event in &events[1..] {
+        send_chunk(&upstream, event);
+    }
+    drop(upstream);
+    assert_eq!(
+        duplicate.read_to_end().await.expect("a clean end"),
+        Bytes::from(events[1..].concat())
+    );
+    retry.read_to_end().await.expect("a clean end");
+    assert_eq!(provider.calls(), 2, "the cut stream and the retry's");
+}
+
 /// Gateway `a` relays a stream; a duplicate on gateway `b` (another store client on the
 /// same store) gets what was relayed so far, then follows it live to its clean end.
 async fn follows_across(

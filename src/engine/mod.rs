@@ -425,12 +425,17 @@ impl Engine {
                             joined: true,
                         };
                     }
-                    if record.job.completed_by.is_some() {
+                    if let Some(streaming) = record.job.completed_by {
                         // Streaming on another gateway: follow its mirror in the store.
                         match self.store.read_stream(&id, 0).await {
                             // A stream already cut is about to fail its job: wait for that,
-                            // then re-open, rather than relay a broken answer.
-                            Ok(Some(mirror)) if !matches!(mirror.end, Some(Err(_))) => {
+                            // then re-open, rather than relay a broken answer. A mirror of
+                            // an earlier attempt (the new one's head not written yet) is
+                            // waited out the same way.
+                            Ok(Some(mirror))
+                                if mirror.head.n == streaming
+                                    && !matches!(mirror.end, Some(Err(_))) =>
+                            {
                                 return Outcome::Follow { job_id: id, mirror }
                             }
                             Ok(Some(_)) => {}

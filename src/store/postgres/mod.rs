@@ -625,8 +625,10 @@ impl JobStore for PostgresStore {
             &str,
             Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>,
         ) = match update {
+            // A new attempt's stream replaces an earlier one's whole: head, end and chunks.
             StreamUpdate::Head(head) => (
-                "INSERT INTO stream_heads (job_id, head) VALUES ($1, $2)
+                "WITH cleared AS (DELETE FROM stream_chunks WHERE job_id = $1)
+                 INSERT INTO stream_heads (job_id, head) VALUES ($1, $2)
                      ON CONFLICT (job_id) DO UPDATE SET head = excluded.head, ended = NULL,
                          updated_at = now()",
                 vec![Box::new(id.to_owned()), Box::new(encode(&head))],

@@ -22,6 +22,10 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         match update {
             StreamUpdate::Head(h) => {
+                // A new attempt's stream replaces an earlier one's whole: its chunks and end
+                // go first. A follower that reads in between finds the earlier attempt's head,
+                // which it does not follow (`StreamHead::n` is not the attempt streaming).
+                pipe.cmd("DEL").arg(&chunks).arg(&end).ignore();
                 pipe.cmd("SET")
                     .arg(&head)
                     .arg(encode(&h))
