@@ -3,6 +3,7 @@
 //! and stalls that fail the job.
 
 mod common;
+mod faults;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -411,6 +412,46 @@ async fn a_duplicate_on_another_gateway_follows_a_retried_stream_not_the_cut_one
     };
     follows_a_retry_across(redis().await, redis().await).await;
     follows_a_retry_across(postgres().await, postgres().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_write_that_fails_or_loses_its_reply_is_written_again_once() {
+    use faults::{Fault, Faulty};
+    let server = common::redis_server::RedisServer::start().await;
+    let url = common::pg_server::shared().database().await;
+    let policy = idemgate::job::ExpiryPolicy {
+        retention: Duration::from_secs(3600),
+        late_result_window: Duration::from_secs(600),
+    };
+    let redis = || async {
+        let config = idemgate::config::StoreConfig {
+            kind: idemgate::config::StoreKind::Redis,
+            path: Default::default(),
+            urls: vec![server.url()],
+            cluster: false,
+            key_prefix: "idemgate".into(),
+            pool_size: None,
+            wait_replicas: 0,
+            op_timeout: std::time::Duration::from_secs(2),
+        };
+        let store = idemgate::store::redis::RedisStore::open(&config, policy).await;
+        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
+    };
+    let postgres = || async {
+        let config = common::pg_server::store_config(&url, 4);
+        let store = idemgate::store::postgres::PostgresStore::open(&config, policy).await;
+        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
+    };
+    // The head goes through; the first chunks are written but their reply is lost; writing
+    // them again fails before it reaches the store; the third write goes through. The
+    // follower on the other gateway must still get every chunk once, in order.
+    let faults = [None, Some(Fault::ErrorAfter), Some(Fault::ErrorBefore)];
+    let streaming = Faulty::scripted(redis().await, &[]);
+    streaming.mirror_faults(&faults);
+    follows_across(streaming, redis().await).await;
+    let streaming = Faulty::scripted(postgres().await, &[]);
+    streaming.mirror_faults(&faults);
+    follows_across(streaming, postgres().await).await;
 }
 
 /// Gateway `a` relays a stream that is cut after three chunks, then the retry's stream; a

@@ -3,16 +3,17 @@
 //! settled when the stream ends.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::Engine;
 use crate::body::Body;
 use crate::config::Provider;
 use crate::job::{Effect, JobId, Transition};
-use crate::store::{Applied, StreamHead, StreamUpdate};
+use crate::store::{Applied, JobStore, StoreError, StreamHead, StreamUpdate};
 use crate::stream::{LiveStream, Recording};
 use crate::upstream::{kept_headers, next_data};
 
@@ -176,7 +177,7 @@ async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
         provider: live.provider.clone(),
     };
     let store = engine.store();
-    if let Err(e) = store.mirror_stream(&id, StreamUpdate::Head(head)).await {
+    if let Err(e) = mirror_step(store, &id, StreamUpdate::Head(head)).await {
         warn!(job_id = %id, error = %e, "cannot mirror the stream; duplicates elsewhere will wait for it to settle");
         return;
     }
@@ -184,27 +185,47 @@ async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
     loop {
         let update = match live.recording.chunks_from(sent).await {
             Err(()) => {
-                let _ = store
-                    .mirror_stream(
-                        &id,
-                        StreamUpdate::End(Err(
-                            "the stream outgrew max_stored_response_bytes".into()
-                        )),
-                    )
-                    .await;
+                let outgrew = Err("the stream outgrew max_stored_response_bytes".into());
+                let _ = mirror_step(store, &id, StreamUpdate::End(outgrew)).await;
                 return;
             }
             Ok((chunks, end)) => (chunks, end),
         };
         let (chunks, end) = update;
+        let from = sent;
         sent += chunks.len();
-        if let Err(e) = store.mirror_stream(&id, StreamUpdate::Chunks(chunks)).await {
+        if let Err(e) = mirror_step(store, &id, StreamUpdate::Chunks { from, chunks }).await {
             warn!(job_id = %id, error = %e, "mirroring the stream failed");
             return;
         }
         if let Some(end) = end {
-            let _ = store.mirror_stream(&id, StreamUpdate::End(end)).await;
+            let _ = mirror_step(store, &id, StreamUpdate::End(end)).await;
             return;
+        }
+    }
+}
+
+/// Writes one step of a mirror, again after a failure: every step can be written twice
+/// (see [`StreamUpdate`]), so a store that fails once, or whose reply is lost, does not
+/// leave the duplicates on other gateways waiting for the job to settle.
+async fn mirror_step(
+    store: &Arc<dyn JobStore>,
+    id: &str,
+    update: StreamUpdate,
+) -> Result<(), StoreError> {
+    const TRIES: u32 = 3;
+    let mut pause = Duration::from_millis(50);
+    let mut tried = 1;
+    loop {
+        match store.mirror_stream(id, update.clone()).await {
+            Ok(()) => return Ok(()),
+            Err(e) if tried >= TRIES => return Err(e),
+            Err(e) => {
+                debug!(job_id = %id, error = %e, "mirroring the stream failed; writing it again");
+                tokio::time::sleep(pause).await;
+                pause *= 4;
+                tried += 1;
+            }
         }
     }
 }

@@ -162,11 +162,18 @@ pub struct StreamHead {
     pub provider: String,
 }
 
-/// One step of a mirrored stream.
+/// One step of a mirrored stream. Each can be written again after a failure that may have
+/// hidden its success (a lost reply): it leaves the mirror as one write would.
 #[derive(Clone, Debug)]
 pub enum StreamUpdate {
+    /// A new attempt's stream: replaces whatever an earlier attempt mirrored.
     Head(StreamHead),
-    Chunks(Vec<bytes::Bytes>),
+    /// Chunks `from`, `from + 1`, … of the stream; the ones the mirror already holds are
+    /// not added again.
+    Chunks {
+        from: usize,
+        chunks: Vec<bytes::Bytes>,
+    },
     /// The stream ended cleanly, or was cut for this reason.
     End(Result<(), String>),
 }

@@ -561,6 +561,71 @@ pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
 
 /// One `#[tokio::test]` per case for the store `make` builds. `make` returns the store and
 /// a guard that keeps whatever backs it (a directory, a server) alive for the test.
+/// A stream's mirror written as the relay writes it, with steps written again as after a
+/// lost reply: every chunk is held once, in order, and a new attempt's head replaces the
+/// earlier attempt's chunks and end. Stores that serve one process do not mirror.
+pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStore>) {
+    use idemgate::store::{StreamHead, StreamUpdate};
+    let job = created(&*store, "owner-a", "streaming").await;
+    let id = job.job.id.as_str();
+    let head = |n| StreamHead {
+        status: 200,
+        headers: Default::default(),
+        n,
+        provider: "p".into(),
+    };
+    let chunks = |from, texts: &[&'static str]| StreamUpdate::Chunks {
+        from,
+        chunks: texts
+            .iter()
+            .map(|t| Bytes::from_static(t.as_bytes()))
+            .collect(),
+    };
+    store
+        .mirror_stream(id, StreamUpdate::Head(head(1)))
+        .await
+        .unwrap();
+    let Some(empty) = store.read_stream(id, 0).await.unwrap() else {
+        return;
+    };
+    assert!(empty.chunks.is_empty() && empty.end.is_none());
+    for update in [
+        chunks(0, &["a", "b"]),
+        chunks(0, &["a", "b"]),
+        chunks(1, &["b", "c"]),
+        chunks(3, &["d"]),
+        StreamUpdate::End(Err("cut".into())),
+    ] {
+        store.mirror_stream(id, update).await.unwrap();
+    }
+    let mirrored = store.read_stream(id, 0).await.unwrap().expect("a mirror");
+    assert_eq!(mirrored.chunks, ["a", "b", "c", "d"]);
+    assert_eq!(mirrored.end, Some(Err("cut".into())));
+    assert_eq!(
+        store.read_stream(id, 2).await.unwrap().unwrap().chunks,
+        ["c", "d"]
+    );
+
+    store
+        .mirror_stream(id, StreamUpdate::Head(head(2)))
+        .await
+        .unwrap();
+    let retried = store.read_stream(id, 0).await.unwrap().expect("a mirror");
+    assert_eq!(retried.head.n, 2);
+    assert!(retried.chunks.is_empty(), "{:?}", retried.chunks);
+    assert_eq!(retried.end, None);
+    store.mirror_stream(id, chunks(0, &["x"])).await.unwrap();
+    store
+        .mirror_stream(id, StreamUpdate::End(Ok(())))
+        .await
+        .unwrap();
+    let whole = store.read_stream(id, 0).await.unwrap().expect("a mirror");
+    assert_eq!(
+        (whole.chunks, whole.end),
+        (vec![Bytes::from("x")], Some(Ok(())))
+    );
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($store:ident, $make:expr) => {
@@ -587,6 +652,7 @@ macro_rules! conformance_suite {
                 lost_replies_are_recognised_when_retried,
                 lapsed_leases_are_listed_from_an_index,
                 in_progress_jobs_are_listed_in_id_order,
+                a_mirror_written_again_holds_each_chunk_once,
             );
         }
     };

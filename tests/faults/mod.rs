@@ -69,6 +69,8 @@ pub struct Faulty {
     writes: AtomicU64,
     /// Whether claims meet faults too (transitions always do).
     claims: bool,
+    /// Faults for the next writes of a stream's mirror, in order, apart from `plan`.
+    mirror: Mutex<VecDeque<Option<Fault>>>,
     pub fired: Fired,
 }
 
@@ -79,6 +81,7 @@ impl Faulty {
             inner,
             plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
             claims: true,
+            mirror: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
             fired: Fired::default(),
@@ -101,10 +104,16 @@ impl Faulty {
                 per_mille,
             }),
             claims,
+            mirror: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
             fired: Fired::default(),
         })
+    }
+
+    /// Faults for the next mirror writes of live streams, in order.
+    pub fn mirror_faults(&self, faults: &[Option<Fault>]) {
+        self.mirror.lock().unwrap().extend(faults.iter().copied());
     }
 
     /// Queues more scripted faults.
@@ -245,7 +254,22 @@ impl JobStore for Faulty {
     }
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
-        self.inner.mirror_stream(id, update).await
+        let lost = |what: &str| StoreError::unavailable("injected fault", what.to_owned());
+        let fault = self.mirror.lock().unwrap().pop_front().flatten();
+        let write = self.inner.mirror_stream(id, update);
+        match fault {
+            None => write.await,
+            Some(Fault::ErrorBefore) => Err(lost("the connection dropped before the write")),
+            Some(Fault::ErrorAfter) => {
+                write.await?;
+                Err(lost("the reply was lost after the write"))
+            }
+            Some(Fault::Delay(pause)) => {
+                tokio::time::sleep(pause).await;
+                write.await
+            }
+            Some(Fault::Hang) => std::future::pending().await,
+        }
     }
 
     async fn read_stream(

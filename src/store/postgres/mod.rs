@@ -633,22 +633,21 @@ impl JobStore for PostgresStore {
                          updated_at = now()",
                 vec![Box::new(id.to_owned()), Box::new(encode(&head))],
             ),
-            StreamUpdate::Chunks(chunks) => {
+            StreamUpdate::Chunks { from, chunks } => {
                 if chunks.is_empty() {
                     return Ok(());
                 }
                 let data: Vec<Vec<u8>> = chunks.iter().map(|c| c.to_vec()).collect();
+                let from = i32::try_from(from).map_err(unavailable)?;
                 (
-                    "WITH base AS (
-                            SELECT coalesce(max(seq) + 1, 0) AS next FROM stream_chunks
-                            WHERE job_id = $1
-                         ), touched AS (
+                    "WITH touched AS (
                             UPDATE stream_heads SET updated_at = now() WHERE job_id = $1
                          )
                          INSERT INTO stream_chunks (job_id, seq, data)
-                         SELECT $1, base.next + t.ord::integer - 1, t.data
-                         FROM base, unnest($2::bytea[]) WITH ORDINALITY AS t(data, ord)",
-                    vec![Box::new(id.to_owned()), Box::new(data)],
+                         SELECT $1, $3 + t.ord::integer - 1, t.data
+                         FROM unnest($2::bytea[]) WITH ORDINALITY AS t(data, ord)
+                         ON CONFLICT (job_id, seq) DO NOTHING",
+                    vec![Box::new(id.to_owned()), Box::new(data), Box::new(from)],
                 )
             }
             StreamUpdate::End(result) => (

@@ -33,12 +33,17 @@ impl RedisStore {
                     .arg(MIRROR_TTL_MS)
                     .ignore();
             }
-            StreamUpdate::Chunks(new) => {
+            StreamUpdate::Chunks { from, chunks: new } => {
                 if new.is_empty() {
                     return Ok(());
                 }
-                let mut push = redis::cmd("RPUSH");
-                push.arg(&chunks);
+                // Only the chunks the list does not hold yet: a batch written again after a
+                // lost reply is not appended twice.
+                let mut push = redis::cmd("EVAL");
+                push.arg(super::scripts::PUSH_FROM)
+                    .arg(1)
+                    .arg(&chunks)
+                    .arg(from);
                 for chunk in &new {
                     push.arg(chunk.as_ref());
                 }

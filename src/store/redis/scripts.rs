@@ -85,3 +85,20 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
 end
 return {1, tostring(rev)}
 "#;
+
+/// Appends the chunks of ARGV[2..] numbered from ARGV[1] that the list KEYS[1] does not
+/// hold yet, so that a batch written again is not appended twice; refuses a batch that
+/// would leave a gap.
+pub(super) const PUSH_FROM: &str = r#"
+local held = redis.call('LLEN', KEYS[1])
+local from = tonumber(ARGV[1])
+if from > held then
+  return redis.error_reply('mirrored chunks missing before ' .. from)
+end
+for i = 2, #ARGV do
+  if from + i - 2 >= held then
+    redis.call('RPUSH', KEYS[1], ARGV[i])
+  end
+end
+return held
+"#;
