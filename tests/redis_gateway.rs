@@ -9,7 +9,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::redis_server::RedisServer;
 use common::*;
-use idemgate::config::{StoreConfig, StoreKind};
 use idemgate::job::ExpiryPolicy;
 use idemgate::store::redis::RedisStore;
 use idemgate::store::JobStore;
@@ -22,16 +21,7 @@ const POLICY: ExpiryPolicy = ExpiryPolicy {
 };
 
 async fn store(server: &RedisServer) -> Arc<RedisStore> {
-    let config = StoreConfig {
-        kind: StoreKind::Redis,
-        path: Default::default(),
-        urls: vec![server.url()],
-        cluster: false,
-        key_prefix: "idemgate".into(),
-        pool_size: None,
-        wait_replicas: 0,
-        op_timeout: std::time::Duration::from_secs(2),
-    };
+    let config = common::redis_server::store_config(server.url());
     Arc::new(RedisStore::open(&config, POLICY).await.unwrap())
 }
 

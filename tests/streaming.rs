@@ -246,11 +246,15 @@ async fn a_duplicate_joins_a_live_stream_from_its_start() {
     assert_eq!(provider.calls(), 1, "one upstream call for both");
 }
 
-async fn cut_or_stall(stall: bool) {
-    let mut provider = StreamingProvider::start().await;
-    let gw = TestGateway::start(&config(&provider.url(), "stream_idle_timeout = \"300ms\"")).await;
+/// Starts a streamed request for `key` at the gateway `base`, has the provider send the
+/// first three events and reads them: the reading, its job id and the provider's side.
+async fn three_chunks_read(
+    provider: &mut StreamingProvider,
+    base: &str,
+    key: &'static str,
+) -> (Reading, String, mpsc::UnboundedSender<Chunk>) {
     let events = events();
-    let client = tokio::spawn(Reading::start(format!("{}{CHAT}", gw.base), "k-cut"));
+    let client = tokio::spawn(Reading::start(format!("{base}{CHAT}"), key));
     let upstream = provider.next_call().await;
     for event in &events[..3] {
         send_chunk(&upstream, event);
@@ -263,6 +267,14 @@ async fn cut_or_stall(stall: bool) {
     reading
         .read_exactly(events[..3].iter().map(Bytes::len).sum())
         .await;
+    (reading, id, upstream)
+}
+
+async fn cut_or_stall(stall: bool) {
+    let mut provider = StreamingProvider::start().await;
+    let gw = TestGateway::start(&config(&provider.url(), "stream_idle_timeout = \"300ms\"")).await;
+    let events = events();
+    let (reading, id, upstream) = three_chunks_read(&mut provider, &gw.base, "k-cut").await;
     if !stall {
         upstream
             .send(Err(std::io::Error::other("connection reset")))
@@ -341,77 +353,21 @@ async fn an_answer_larger_than_the_store_limit_reaches_the_client_but_is_not_rep
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_on_another_gateway_follows_the_stream_through_redis() {
     let server = common::redis_server::RedisServer::start().await;
-    let open = || async {
-        let config = idemgate::config::StoreConfig {
-            kind: idemgate::config::StoreKind::Redis,
-            path: Default::default(),
-            urls: vec![server.url()],
-            cluster: false,
-            key_prefix: "idemgate".into(),
-            pool_size: None,
-            wait_replicas: 0,
-            op_timeout: std::time::Duration::from_secs(2),
-        };
-        let policy = idemgate::job::ExpiryPolicy {
-            retention: Duration::from_secs(3600),
-            late_result_window: Duration::from_secs(600),
-        };
-        Arc::new(
-            idemgate::store::redis::RedisStore::open(&config, policy)
-                .await
-                .unwrap(),
-        )
-    };
-    follows_across(open().await, open().await).await;
+    follows_across(redis_store(&server).await, redis_store(&server).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_on_another_gateway_follows_the_stream_through_postgres() {
     let url = common::pg_server::shared().database().await;
-    let open = || async {
-        let config = common::pg_server::store_config(&url, 4);
-        let policy = idemgate::job::ExpiryPolicy {
-            retention: Duration::from_secs(3600),
-            late_result_window: Duration::from_secs(600),
-        };
-        Arc::new(
-            idemgate::store::postgres::PostgresStore::open(&config, policy)
-                .await
-                .unwrap(),
-        )
-    };
-    follows_across(open().await, open().await).await;
+    follows_across(postgres_store(&url).await, postgres_store(&url).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_on_another_gateway_follows_a_retried_stream_not_the_cut_one() {
     let server = common::redis_server::RedisServer::start().await;
     let url = common::pg_server::shared().database().await;
-    let policy = idemgate::job::ExpiryPolicy {
-        retention: Duration::from_secs(3600),
-        late_result_window: Duration::from_secs(600),
-    };
-    let redis = || async {
-        let config = idemgate::config::StoreConfig {
-            kind: idemgate::config::StoreKind::Redis,
-            path: Default::default(),
-            urls: vec![server.url()],
-            cluster: false,
-            key_prefix: "idemgate".into(),
-            pool_size: None,
-            wait_replicas: 0,
-            op_timeout: std::time::Duration::from_secs(2),
-        };
-        let store = idemgate::store::redis::RedisStore::open(&config, policy).await;
-        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
-    };
-    let postgres = || async {
-        let config = common::pg_server::store_config(&url, 4);
-        let store = idemgate::store::postgres::PostgresStore::open(&config, policy).await;
-        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
-    };
-    follows_a_retry_across(redis().await, redis().await).await;
-    follows_a_retry_across(postgres().await, postgres().await).await;
+    follows_a_retry_across(redis_store(&server).await, redis_store(&server).await).await;
+    follows_a_retry_across(postgres_store(&url).await, postgres_store(&url).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -419,39 +375,27 @@ async fn a_mirror_write_that_fails_or_loses_its_reply_is_written_again_once() {
     use faults::{Fault, Faulty};
     let server = common::redis_server::RedisServer::start().await;
     let url = common::pg_server::shared().database().await;
-    let policy = idemgate::job::ExpiryPolicy {
-        retention: Duration::from_secs(3600),
-        late_result_window: Duration::from_secs(600),
-    };
-    let redis = || async {
-        let config = idemgate::config::StoreConfig {
-            kind: idemgate::config::StoreKind::Redis,
-            path: Default::default(),
-            urls: vec![server.url()],
-            cluster: false,
-            key_prefix: "idemgate".into(),
-            pool_size: None,
-            wait_replicas: 0,
-            op_timeout: std::time::Duration::from_secs(2),
-        };
-        let store = idemgate::store::redis::RedisStore::open(&config, policy).await;
-        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
-    };
-    let postgres = || async {
-        let config = common::pg_server::store_config(&url, 4);
-        let store = idemgate::store::postgres::PostgresStore::open(&config, policy).await;
-        Arc::new(store.unwrap()) as Arc<dyn idemgate::store::JobStore>
-    };
     // The head goes through; the first chunks are written but their reply is lost; writing
     // them again fails before it reaches the store; the third write goes through. The
     // follower on the other gateway must still get every chunk once, in order.
     let faults = [None, Some(Fault::ErrorAfter), Some(Fault::ErrorBefore)];
-    let streaming = Faulty::scripted(redis().await, &[]);
+    let streaming = Faulty::scripted(redis_store(&server).await, &[]);
     streaming.mirror_faults(&faults);
-    follows_across(streaming, redis().await).await;
-    let streaming = Faulty::scripted(postgres().await, &[]);
+    follows_across(streaming, redis_store(&server).await).await;
+    let streaming = Faulty::scripted(postgres_store(&url).await, &[]);
     streaming.mirror_faults(&faults);
-    follows_across(streaming, postgres().await).await;
+    follows_across(streaming, postgres_store(&url).await).await;
+}
+
+/// A streaming provider and two gateways in front of it, on stores `a` and `b`.
+async fn two_gateways(
+    a: Arc<dyn idemgate::store::JobStore>,
+    b: Arc<dyn idemgate::store::JobStore>,
+) -> (StreamingProvider, TestGateway, TestGateway) {
+    let provider = StreamingProvider::start().await;
+    let a = TestGateway::start_on(&config(&provider.url(), ""), a).await;
+    let b = TestGateway::start_on(&config(&provider.url(), ""), b).await;
+    (provider, a, b)
 }
 
 /// Gateway `a` relays a stream that is cut after three chunks, then the retry's stream; a
@@ -461,25 +405,11 @@ async fn follows_a_retry_across(
     a: Arc<dyn idemgate::store::JobStore>,
     b: Arc<dyn idemgate::store::JobStore>,
 ) {
-    let mut provider = StreamingProvider::start().await;
-    let a = TestGateway::start_on(&config(&provider.url(), ""), a).await;
-    let b = TestGateway::start_on(&config(&provider.url(), ""), b).await;
+    let (mut provider, a, b) = two_gateways(a, b).await;
     let events = events();
     let key = "k-again";
 
-    let first = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), key));
-    let upstream = provider.next_call().await;
-    for event in &events[..3] {
-        send_chunk(&upstream, event);
-    }
-    let mut first = first.await.unwrap();
-    let id = first.headers["x-idempotency-job-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    first
-        .read_exactly(events[..3].iter().map(Bytes::len).sum())
-        .await;
+    let (first, id, upstream) = three_chunks_read(&mut provider, &a.base, key).await;
     upstream
         .send(Err(std::io::Error::other("connection reset")))
         .unwrap();
@@ -501,16 +431,48 @@ async fn follows_a_retry_across(
     let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), key).await;
     assert_eq!(duplicate.headers["x-idempotency-attempt"], "2");
     assert_eq!(duplicate.read_exactly(events[0].len()).await, events[0]);
-    for event in &events[1..] {
+    both_end_cleanly(upstream, &events[1..], duplicate, retry).await;
+    assert_eq!(provider.calls(), 2, "the cut stream and the retry's");
+}
+
+/// The provider sends `rest` and ends the stream: the duplicate reads exactly `rest` to a
+/// clean end, and the request that started the stream ends cleanly too.
+async fn both_end_cleanly(
+    upstream: mpsc::UnboundedSender<Chunk>,
+    rest: &[Bytes],
+    duplicate: Reading,
+    first: Reading,
+) {
+    for event in rest {
         send_chunk(&upstream, event);
     }
     drop(upstream);
     assert_eq!(
         duplicate.read_to_end().await.expect("a clean end"),
-        Bytes::from(events[1..].concat())
+        Bytes::from(rest.concat())
     );
-    retry.read_to_end().await.expect("a clean end");
-    assert_eq!(provider.calls(), 2, "the cut stream and the retry's");
+    first.read_to_end().await.expect("a clean end");
+}
+
+const POLICY: idemgate::job::ExpiryPolicy = idemgate::job::ExpiryPolicy {
+    retention: Duration::from_secs(3600),
+    late_result_window: Duration::from_secs(600),
+};
+
+/// A gateway's own client of the Redis `server`.
+async fn redis_store(
+    server: &common::redis_server::RedisServer,
+) -> Arc<dyn idemgate::store::JobStore> {
+    let config = common::redis_server::store_config(server.url());
+    let store = idemgate::store::redis::RedisStore::open(&config, POLICY).await;
+    Arc::new(store.unwrap())
+}
+
+/// A gateway's own client of the PostgreSQL database at `url`.
+async fn postgres_store(url: &str) -> Arc<dyn idemgate::store::JobStore> {
+    let config = common::pg_server::store_config(url, 4);
+    let store = idemgate::store::postgres::PostgresStore::open(&config, POLICY).await;
+    Arc::new(store.unwrap())
 }
 
 /// Gateway `a` relays a stream; a duplicate on gateway `b` (another store client on the
@@ -519,9 +481,7 @@ async fn follows_across(
     a: Arc<dyn idemgate::store::JobStore>,
     b: Arc<dyn idemgate::store::JobStore>,
 ) {
-    let mut provider = StreamingProvider::start().await;
-    let a = TestGateway::start_on(&config(&provider.url(), ""), a).await;
-    let b = TestGateway::start_on(&config(&provider.url(), ""), b).await;
+    let (mut provider, a, b) = two_gateways(a, b).await;
     let events = events();
 
     let first = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), "k-across"));
@@ -548,15 +508,7 @@ async fn follows_across(
     // It follows live: chunk 3 reaches it while the stream is still open.
     send_chunk(&upstream, &events[2]);
     assert_eq!(duplicate.read_exactly(events[2].len()).await, events[2]);
-    for event in &events[3..] {
-        send_chunk(&upstream, event);
-    }
-    drop(upstream);
-    assert_eq!(
-        duplicate.read_to_end().await.expect("a clean end"),
-        Bytes::from(events[3..].concat())
-    );
-    first.read_to_end().await.expect("a clean end");
+    both_end_cleanly(upstream, &events[3..], duplicate, first).await;
     assert_eq!(
         provider.calls(),
         1,

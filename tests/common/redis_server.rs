@@ -6,6 +6,20 @@ use std::time::Duration;
 
 use super::{closed_port, PATIENCE};
 
+/// The store settings of a gateway on the standalone server at `url`.
+pub fn store_config(url: String) -> idemgate::config::StoreConfig {
+    idemgate::config::StoreConfig {
+        kind: idemgate::config::StoreKind::Redis,
+        path: Default::default(),
+        urls: vec![url],
+        cluster: false,
+        key_prefix: "idemgate".into(),
+        pool_size: None,
+        wait_replicas: 0,
+        op_timeout: Duration::from_secs(2),
+    }
+}
+
 pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
