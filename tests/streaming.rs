@@ -372,19 +372,40 @@ async fn a_duplicate_on_another_gateway_follows_a_retried_stream_not_the_cut_one
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirror_write_that_fails_or_loses_its_reply_is_written_again_once() {
-    use faults::{Fault, Faulty};
+    use faults::Fault;
     let server = common::redis_server::RedisServer::start().await;
     let url = common::pg_server::shared().database().await;
     // The head goes through; the first chunks are written but their reply is lost; writing
     // them again fails before it reaches the store; the third write goes through. The
     // follower on the other gateway must still get every chunk once, in order.
     let faults = [None, Some(Fault::ErrorAfter), Some(Fault::ErrorBefore)];
-    let streaming = Faulty::scripted(redis_store(&server).await, &[]);
-    streaming.mirror_faults(&faults);
-    follows_across(streaming, redis_store(&server).await).await;
-    let streaming = Faulty::scripted(postgres_store(&url).await, &[]);
-    streaming.mirror_faults(&faults);
-    follows_across(streaming, postgres_store(&url).await).await;
+    follows_across_mirror_faults(&server, &url, &faults).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_arrives_before_the_mirror_follows_it_once_written() {
+    use faults::Fault;
+    let server = common::redis_server::RedisServer::start().await;
+    let url = common::pg_server::shared().database().await;
+    // The head reaches the store half a second after the stream started, well after the
+    // duplicate asked: the job does not change when it lands, so only looking again finds it.
+    let late_head = [Some(Fault::Delay(Duration::from_millis(500)))];
+    follows_across_mirror_faults(&server, &url, &late_head).await;
+}
+
+/// [`follows_across`] on Redis, then on PostgreSQL, with `faults` met by the streaming
+/// gateway's first mirror writes.
+async fn follows_across_mirror_faults(
+    server: &common::redis_server::RedisServer,
+    url: &str,
+    faults: &[Option<faults::Fault>],
+) {
+    let streaming = faults::Faulty::scripted(redis_store(server).await, &[]);
+    streaming.mirror_faults(faults);
+    follows_across(streaming, redis_store(server).await).await;
+    let streaming = faults::Faulty::scripted(postgres_store(url).await, &[]);
+    streaming.mirror_faults(faults);
+    follows_across(streaming, postgres_store(url).await).await;
 }
 
 /// A streaming provider and two gateways in front of it, on stores `a` and `b`.

@@ -425,21 +425,22 @@ impl Engine {
                             joined: true,
                         };
                     }
+                    // Whether a stream elsewhere is still to show up in the store's mirror.
+                    let mut mirror_due = false;
                     if let Some(streaming) = record.job.completed_by {
                         // Streaming on another gateway: follow its mirror in the store.
                         match self.store.read_stream(&id, 0).await {
-                            // A stream already cut is about to fail its job: wait for that,
-                            // then re-open, rather than relay a broken answer. A mirror of
-                            // an earlier attempt (the new one's head not written yet) is
-                            // waited out the same way.
-                            Ok(Some(mirror))
-                                if mirror.head.n == streaming
-                                    && !matches!(mirror.end, Some(Err(_))) =>
-                            {
-                                return Outcome::Follow { job_id: id, mirror }
+                            Ok(Some(mirror)) if mirror.head.n == streaming => {
+                                if !matches!(mirror.end, Some(Err(_))) {
+                                    return Outcome::Follow { job_id: id, mirror };
+                                }
+                                // Cut: its job is about to fail, which wakes this wait;
+                                // then it re-opens, rather than relay a broken answer.
                             }
-                            Ok(Some(_)) => {}
-                            Ok(None) => {}
+                            // Not mirrored yet, or the mirror is still an earlier attempt's:
+                            // the job does not change when the head is written, so look
+                            // again as a follower polls, instead of waiting for the job.
+                            Ok(_) => mirror_due = true,
                             Err(e) => return store_failed(e),
                         }
                     }
@@ -453,7 +454,10 @@ impl Engine {
                         .lease_until
                         .duration_since(now)
                         .unwrap_or_default();
-                    let wait = left.min(lease_left + Duration::from_millis(5));
+                    let mut wait = left.min(lease_left + Duration::from_millis(5));
+                    if mirror_due {
+                        wait = wait.min(crate::stream::FOLLOW_LAG);
+                    }
                     record = match self
                         .store
                         .wait_change(&id, record.job.version, record.job.state, wait)
