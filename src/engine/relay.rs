@@ -183,15 +183,11 @@ async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
     }
     let mut sent = 0;
     loop {
-        let update = match live.recording.chunks_from(sent).await {
-            Err(()) => {
-                let outgrew = Err("the stream outgrew max_stored_response_bytes".into());
-                let _ = mirror_step(store, &id, StreamUpdate::End(outgrew)).await;
-                return;
-            }
-            Ok((chunks, end)) => (chunks, end),
+        let Ok((chunks, end)) = live.recording.chunks_from(sent).await else {
+            let outgrew = Err("the stream outgrew max_stored_response_bytes".into());
+            let _ = mirror_step(store, &id, StreamUpdate::End(outgrew)).await;
+            return;
         };
-        let (chunks, end) = update;
         let from = sent;
         sent += chunks.len();
         if let Err(e) = mirror_step(store, &id, StreamUpdate::Chunks { from, chunks }).await {

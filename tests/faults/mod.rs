@@ -159,7 +159,17 @@ impl Faulty {
             (point.crash)();
             return Err(lost("the gateway crashed"));
         }
-        match self.next() {
+        self.meet(self.next(), op).await
+    }
+
+    /// Runs `op` as `fault` has it, counting the fault.
+    async fn meet<T>(
+        &self,
+        fault: Option<Fault>,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let lost = |what: &str| StoreError::unavailable("injected fault", what.to_owned());
+        match fault {
             None => op.await,
             Some(Fault::ErrorBefore) => {
                 self.fired.error_before.fetch_add(1, Ordering::Relaxed);
@@ -254,22 +264,8 @@ impl JobStore for Faulty {
     }
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
-        let lost = |what: &str| StoreError::unavailable("injected fault", what.to_owned());
         let fault = self.mirror.lock().unwrap().pop_front().flatten();
-        let write = self.inner.mirror_stream(id, update);
-        match fault {
-            None => write.await,
-            Some(Fault::ErrorBefore) => Err(lost("the connection dropped before the write")),
-            Some(Fault::ErrorAfter) => {
-                write.await?;
-                Err(lost("the reply was lost after the write"))
-            }
-            Some(Fault::Delay(pause)) => {
-                tokio::time::sleep(pause).await;
-                write.await
-            }
-            Some(Fault::Hang) => std::future::pending().await,
-        }
+        self.meet(fault, self.inner.mirror_stream(id, update)).await
     }
 
     async fn read_stream(

@@ -38,7 +38,10 @@ impl RedisStore {
                     return Ok(());
                 }
                 // Only the chunks the list does not hold yet: a batch written again after a
-                // lost reply is not appended twice.
+                // lost reply is not appended twice. EVAL, not EVALSHA through a `Script` as
+                // the job scripts go: it rides in this pipeline with the expiries and the
+                // publish, and a pipeline cannot load a script a server has lost (a restart,
+                // another Cluster node).
                 let mut push = redis::cmd("EVAL");
                 push.arg(super::scripts::PUSH_FROM)
                     .arg(1)
