@@ -6,6 +6,7 @@
 #     benches/instructions.sh               # new job and replay, memory store, ~1 minute
 #     STORE=embedded benches/instructions.sh
 #     STORE=embedded CONNS=32 benches/instructions.sh   # group commits of many operations
+#     STORE=redis benches/instructions.sh      # a redis-server of its own, on a free port
 #
 # Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
 # thread, 4 connections, or CONNS); the difference of the two totals over the difference of their
@@ -35,6 +36,15 @@ keep="${KEEP:-$work}"
 mkdir -p "$keep"
 
 export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
+if [[ "$STORE" == redis ]]; then
+  need redis-server redis-server
+  redis_port="$(free_port)"
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --daemonize no --logfile "$work/redis.log" &
+  pids+=($!)
+  wait_port "$redis_port"
+fi
+
 provider_port="$(free_port)"
 "$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
 pids+=($!)
@@ -48,7 +58,10 @@ run() {
     memory) table='kind = "memory"' ;;
     embedded) table="kind = \"embedded\"
 path = \"$work/ir-$RANDOM.db\"" ;;
-    *) echo "STORE is memory or embedded" >&2; exit 2 ;;
+    redis) table="kind = \"redis\"
+url = \"redis://127.0.0.1:$redis_port\"
+key_prefix = \"ir$RANDOM\"" ;;
+    *) echo "STORE is memory, embedded or redis" >&2; exit 2 ;;
   esac
   gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \

@@ -55,7 +55,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, Script, ServerErrorKind, Value};
 use tracing::warn;
 
 use super::{
@@ -131,18 +131,39 @@ pub struct RedisStore {
     claim: Script,
     replace: Script,
     apply: Script,
-    /// job id → (revision, record without its answer) as this gateway last saw it.
-    cache: Mutex<HashMap<String, (u64, JobRecord)>>,
+    /// job id → the job as this gateway last saw it.
+    cache: Mutex<HashMap<String, Cached>>,
     changed: Arc<Changes>,
     round_trips: AtomicU64,
     /// On a Cluster the store-wide indexes are kept outside the job scripts.
     cluster: bool,
 }
 
+/// A job in flight as this gateway last saw it: what its next transition is computed on.
+#[derive(Clone)]
+struct Cached {
+    rev: u64,
+    /// Without its answer.
+    record: JobRecord,
+    /// Its claim's key, which every transition extends with the job: kept rather than digested
+    /// again from (owner, key) for each.
+    claim_key: String,
+}
+
 /// A wall-clock instant as milliseconds since the epoch, the indexes' score.
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// An `EVALSHA` of `script` with `keys` keys, and room for `bytes` of keys and arguments,
+/// which the caller appends in that order. Written straight into the command: the crate's
+/// `ScriptInvocation` copies each key and argument (a job's whole record among them) into a
+/// list of its own first, and then into the command.
+fn evalsha(script: &Script, keys: usize, args: usize, bytes: usize) -> Cmd {
+    let mut call = Cmd::with_capacity(3 + keys + args, 64 + bytes);
+    call.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+    call
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -231,13 +252,22 @@ impl RedisStore {
             .map_or(1, |d| d.as_millis().max(1) as u64)
     }
 
-    async fn invoke(&self, invocation: redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
+    /// Runs a script call built by [`evalsha`]; a server that does not hold the script (a
+    /// restart, a flush, a Cluster node new to this slot) gets it loaded and the call again.
+    async fn invoke(&self, script: &Script, call: &Cmd) -> Result<Value, StoreError> {
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        invocation
-            .invoke_async(&mut connection)
-            .await
-            .map_err(unavailable)
+        match call.query_async(&mut connection).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.round_trips.fetch_add(2, Ordering::Relaxed);
+                script
+                    .load_async(&mut connection)
+                    .await
+                    .map_err(unavailable)?;
+                call.query_async(&mut connection).await.map_err(unavailable)
+            }
+            reply => reply.map_err(unavailable),
+        }
     }
 
     async fn wait_for_replicas(&self, key: &str) -> Result<(), StoreError> {
@@ -268,7 +298,7 @@ impl RedisStore {
         Ok(())
     }
 
-    fn cached(&self, id: &str) -> Option<(u64, JobRecord)> {
+    fn cached(&self, id: &str) -> Option<Cached> {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -276,7 +306,9 @@ impl RedisStore {
             .cloned()
     }
 
-    fn remember(&self, id: &str, rev: u64, record: &JobRecord) {
+    /// Keeps `record` at `rev` for the next transition; `claim_key` is its claim's key when
+    /// the caller holds it, digested here otherwise.
+    fn remember(&self, id: &str, rev: u64, record: &JobRecord, claim_key: Option<&str>) {
         if record.job.state != JobState::InProgress {
             // The cache is for the jobs in flight, whose next transition is near. Anything
             // else is applied to again rarely (a late answer, a retry's re-open, a cancel)
@@ -286,6 +318,10 @@ impl RedisStore {
         }
         let mut record = record.clone();
         record.job.response = None;
+        let claim_key = match claim_key {
+            Some(key) => key.to_owned(),
+            None => self.claim_key(&record),
+        };
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= CACHE_LIMIT && !cache.contains_key(id) {
             // Forget an arbitrary entry: a miss only costs a read.
@@ -293,7 +329,22 @@ impl RedisStore {
                 cache.remove(&victim);
             }
         }
-        cache.insert(id.to_owned(), (rev, record));
+        cache.insert(
+            id.to_owned(),
+            Cached {
+                rev,
+                record,
+                claim_key,
+            },
+        );
+    }
+
+    /// The key of the claim naming `record`'s (owner, key), under the job's tag as
+    /// [`JobStore::claim`] wrote it (the digest's own tag for an id without one).
+    fn claim_key(&self, record: &JobRecord) -> String {
+        let digest = claim_digest(&record.job.owner, &record.job.key);
+        let tag = shard_tag(&record.job.id).unwrap_or(&digest[..crate::job::SHARD_TAG_LEN]);
+        self.keys(tag).claim(&digest)
     }
 
     fn forget(&self, id: &str) {
@@ -353,7 +404,7 @@ impl RedisStore {
             .read_job(id, watch)
             .await?
             .map(|(rev, record, response)| {
-                self.remember(id, rev, &record);
+                self.remember(id, rev, &record, None);
                 Self::with_answer(record, response)
             }))
     }
@@ -423,19 +474,19 @@ impl JobStore for RedisStore {
         let blob = encode(&record);
         let ttl = Self::ttl_ms(&record, now);
         let lease = millis(record.job.lease_until);
-        let mut invocation = self.claim.prepare_invoke();
-        invocation.key(&claim_key).key(keys.job(&id));
+        let index_keys = usize::from(!self.cluster);
+        let mut call = evalsha(&self.claim, 2 + index_keys, 6, blob.len() + 512);
+        call.arg(&claim_key).arg(keys.job(&id));
         if !self.cluster {
-            invocation.key(self.in_progress_index());
+            call.arg(self.in_progress_index());
         }
-        invocation
-            .arg(&id)
+        call.arg(&id)
             .arg(&blob)
             .arg(ttl)
             .arg(keys.job(""))
             .arg(keys.resp(""))
             .arg(lease);
-        let reply = self.invoke(invocation).await?;
+        let reply = self.invoke(&self.claim, &call).await?;
         let found: (
             i64,
             Option<String>,
@@ -449,7 +500,7 @@ impl JobStore for RedisStore {
         if found.0 == 1 {
             self.wait_for_replicas(&claim_key).await?;
             self.index_created(&id, lease).await;
-            self.remember(&id, 1, &record);
+            self.remember(&id, 1, &record, Some(&claim_key));
             return Ok(Claim::Created(record));
         }
         let (_, Some(existing_id), Some(rev), Some(existing_blob), resp) = found else {
@@ -461,30 +512,29 @@ impl JobStore for RedisStore {
                 .filter(|r| !r.is_empty())
                 .map(|r| decode(&r))
                 .transpose()?;
-            self.remember(&existing_id, rev, &existing);
+            self.remember(&existing_id, rev, &existing, Some(&claim_key));
             return Ok(Claim::Existing(Self::with_answer(existing, response)));
         }
         // Expired by the caller's clock but not yet by Redis's TTL: replace it, if the claim
         // still names it.
-        let mut invocation = self.replace.prepare_invoke();
-        invocation.key(&claim_key).key(keys.job(&id));
+        let mut call = evalsha(&self.replace, 2 + index_keys, 7, blob.len() + 512);
+        call.arg(&claim_key).arg(keys.job(&id));
         if !self.cluster {
-            invocation.key(self.in_progress_index());
+            call.arg(self.in_progress_index());
         }
-        invocation
-            .arg(&id)
+        call.arg(&id)
             .arg(&blob)
             .arg(ttl)
             .arg(keys.job(""))
             .arg(keys.resp(""))
             .arg(&existing_id)
             .arg(lease);
-        let replaced: Vec<i64> =
-            redis::from_redis_value(self.invoke(invocation).await?).map_err(unavailable)?;
+        let replaced: Vec<i64> = redis::from_redis_value(self.invoke(&self.replace, &call).await?)
+            .map_err(unavailable)?;
         if replaced.first() == Some(&1) {
             self.index_created(&id, lease).await;
             self.forget(&existing_id);
-            self.remember(&id, 1, &record);
+            self.remember(&id, 1, &record, Some(&claim_key));
             Ok(Claim::Created(record))
         } else {
             Box::pin(self.claim(record, now)).await
@@ -503,14 +553,23 @@ impl JobStore for RedisStore {
     ) -> Result<Applied, StoreError> {
         let tag = shard_tag(id).ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
         let keys = self.keys(tag);
-        let (mut rev, mut record) = match self.cached(id) {
+        let Cached {
+            mut rev,
+            mut record,
+            claim_key,
+        } = match self.cached(id) {
             Some(cached) => cached,
             None => {
                 let (rev, record, _) = self
                     .fetch(id)
                     .await?
                     .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
-                (rev, record)
+                let claim_key = self.claim_key(&record);
+                Cached {
+                    rev,
+                    record,
+                    claim_key,
+                }
             }
         };
         for _ in 0..CAS_RETRIES {
@@ -523,35 +582,37 @@ impl JobStore for RedisStore {
                 Vec::new()
             };
             let response_blob = response.as_ref().map(encode).unwrap_or_default();
-            let claim_key = keys.claim(&claim_digest(&next.job.owner, &next.job.key));
-            let mut invocation = self.apply.prepare_invoke();
-            invocation
-                .key(keys.job(id))
-                .key(keys.resp(id))
-                .key(&claim_key)
-                .key(keys.watch(id));
+            let index_keys = if self.cluster { 0 } else { 2 };
+            let mut call = evalsha(
+                &self.apply,
+                4 + index_keys,
+                7,
+                blob.len() + response_blob.len() + 768,
+            );
+            call.arg(keys.job(id))
+                .arg(keys.resp(id))
+                .arg(&claim_key)
+                .arg(keys.watch(id));
             if !self.cluster {
-                invocation
-                    .key(self.unknown_index())
-                    .key(self.in_progress_index());
+                call.arg(self.unknown_index()).arg(self.in_progress_index());
             }
-            invocation
-                .arg(rev)
+            call.arg(rev)
                 .arg(&blob)
                 .arg(Self::ttl_ms(&next, now))
                 .arg(&response_blob)
                 .arg(keys.chan(id))
                 .arg(id)
                 .arg(Self::index_op(&next));
-            let reply: (i64, Option<u64>, Option<Vec<u8>>) = match self.invoke(invocation).await? {
-                Value::Array(items) if items.len() == 1 => (-1, None, None),
-                Value::Array(items) if items.len() == 2 => {
-                    let (status, rev): (i64, String) =
-                        redis::from_redis_value(Value::Array(items)).map_err(unavailable)?;
-                    (status, rev.parse().ok(), None)
-                }
-                other => redis::from_redis_value(other).map_err(unavailable)?,
-            };
+            let reply: (i64, Option<u64>, Option<Vec<u8>>) =
+                match self.invoke(&self.apply, &call).await? {
+                    Value::Array(items) if items.len() == 1 => (-1, None, None),
+                    Value::Array(items) if items.len() == 2 => {
+                        let (status, rev): (i64, String) =
+                            redis::from_redis_value(Value::Array(items)).map_err(unavailable)?;
+                        (status, rev.parse().ok(), None)
+                    }
+                    other => redis::from_redis_value(other).map_err(unavailable)?,
+                };
             match reply {
                 (-1, ..) => {
                     self.forget(id);
@@ -562,7 +623,7 @@ impl JobStore for RedisStore {
                         self.wait_for_replicas(&claim_key).await?;
                         self.index_outside(id, &record, &next).await;
                     }
-                    self.remember(id, new_rev, &next);
+                    self.remember(id, new_rev, &next, Some(&claim_key));
                     let record = if next.job.state == JobState::Succeeded && response.is_none() {
                         // The answer was stored by an earlier transition: read it back.
                         self.fetch(id)
