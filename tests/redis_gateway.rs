@@ -127,6 +127,51 @@ async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_lost_the_scripts_is_sent_them_again_and_runs_each_once() {
+    let server = RedisServer::start().await;
+    let provider = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+        .expect(2)
+        .mount(&provider)
+        .await;
+    let redis = store(&server).await;
+    let gw = TestGateway::start_on(
+        &two_provider_config(&provider.uri(), "", None, ""),
+        redis.clone() as Arc<dyn JobStore>,
+    )
+    .await;
+    assert_eq!(
+        gw.post(CHAT, Some("k-before"), chat_request()).await.status,
+        200
+    );
+
+    // As after a restart without persistence, or a failover to a replica that never ran them.
+    let mut c = server.connection().await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let before = redis.round_trips();
+    let first = gw.post(CHAT, Some("k-after"), chat_request()).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        redis.round_trips() - before,
+        6,
+        "claim and settle each: refused, loaded, run"
+    );
+    let replay = gw.post(CHAT, Some("k-after"), chat_request()).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.header("x-idempotency-job-id"),
+        first.header("x-idempotency-job-id")
+    );
+    provider.verify().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_attempt_leaves_the_job_unknown_never_rerun() {
     let server = RedisServer::start().await;
     let lines = format!("kind = \"redis\"\nurl = \"{}\"", server.url());
