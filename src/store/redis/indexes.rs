@@ -13,8 +13,8 @@ use crate::store::StoreError;
 
 impl RedisStore {
     /// The jobs `in_progress`, scored by their lease's end (ms): what the lease sweep reads.
-    pub(super) fn in_progress_index(&self) -> String {
-        format!("{}:in-progress-jobs", self.prefix)
+    pub(super) fn in_progress_index(&self) -> &str {
+        &self.in_progress_index
     }
 
     /// A new job on a Cluster: into the in-progress index, by a separate command.

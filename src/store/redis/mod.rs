@@ -132,7 +132,10 @@ pub struct RedisStore {
     replace: Script,
     apply: Script,
     /// job id → the job as this gateway last saw it.
-    cache: Mutex<HashMap<String, Cached>>,
+    cache: Mutex<HashMap<String, Cached, foldhash::fast::RandomState>>,
+    /// The store-wide indexes' keys, named once.
+    unknown_index: String,
+    in_progress_index: String,
     changed: Arc<Changes>,
     round_trips: AtomicU64,
     /// On a Cluster the store-wide indexes are kept outside the job scripts.
@@ -140,7 +143,6 @@ pub struct RedisStore {
 }
 
 /// A job in flight as this gateway last saw it: what its next transition is computed on.
-#[derive(Clone)]
 struct Cached {
     rev: u64,
     /// Without its answer.
@@ -211,7 +213,9 @@ impl RedisStore {
             claim: Script::new(scripts::CLAIM),
             replace: Script::new(scripts::REPLACE),
             apply: Script::new(scripts::APPLY),
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(HashMap::default()),
+            unknown_index: format!("{}:unknown-jobs", config.key_prefix),
+            in_progress_index: format!("{}:in-progress-jobs", config.key_prefix),
             changed: changed.clone(),
             round_trips: AtomicU64::new(0),
             cluster: config.cluster,
@@ -229,8 +233,8 @@ impl RedisStore {
     /// The set of `unknown` job ids. One key for the whole store, so it is kept by separate
     /// commands after a job's transition (never inside the job's script, which on a
     /// Cluster may only touch the job's own slot); readers drop stale entries.
-    fn unknown_index(&self) -> String {
-        format!("{}:unknown-jobs", self.prefix)
+    fn unknown_index(&self) -> &str {
+        &self.unknown_index
     }
 
     /// Commands sent to Redis so far (each script call is one round trip).
@@ -298,12 +302,14 @@ impl RedisStore {
         Ok(())
     }
 
-    fn cached(&self, id: &str) -> Option<Cached> {
+    /// The job as this gateway last saw it, taken out of the cache: the transition computed
+    /// on it puts back what it wrote (a copy would be the whole record, attempts and all). A
+    /// second transition of the job on this gateway meanwhile reads it instead.
+    fn take_cached(&self, id: &str) -> Option<Cached> {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()
+            .remove(id)
     }
 
     /// Keeps `record` at `rev` for the next transition; `claim_key` is its claim's key when
@@ -557,7 +563,7 @@ impl JobStore for RedisStore {
             mut rev,
             mut record,
             claim_key,
-        } = match self.cached(id) {
+        } = match self.take_cached(id) {
             Some(cached) => cached,
             None => {
                 let (rev, record, _) = self
