@@ -326,17 +326,8 @@ async fn migrations_run_once_and_concurrent_starts_do_not_race() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_job_costs_two_statements_and_a_notify_and_a_replay_one() {
     let url = pg_server::shared().database().await;
-    let provider = wiremock::MockServer::start().await;
-    wiremock::Mock::given(wiremock::matchers::method("POST"))
-        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
-        .mount(&provider)
-        .await;
     let pg = store(&url).await;
-    let gw = TestGateway::start_on(
-        &two_provider_config(&provider.uri(), "", None, ""),
-        pg.clone() as Arc<dyn JobStore>,
-    )
-    .await;
+    let (gw, _provider) = TestGateway::answering_ok(pg.clone()).await;
     // The first requests prepare the statements on the pooled connections.
     for i in 0..3 {
         let key = format!("k-warm-{i}");
@@ -417,18 +408,8 @@ async fn seen(replies: &mut tokio::sync::mpsc::UnboundedReceiver<Reply>, want: u
 async fn killed_under_load_no_call_goes_out_unclaimed() {
     let server = PgServer::start();
     let url = server.database().await;
-    let provider = wiremock::MockServer::start().await;
-    wiremock::Mock::given(wiremock::matchers::method("POST"))
-        .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
-        .mount(&provider)
-        .await;
-    let gw = Arc::new(
-        TestGateway::start_on(
-            &two_provider_config(&provider.uri(), "", None, ""),
-            store(&url).await,
-        )
-        .await,
-    );
+    let (gw, provider) = TestGateway::answering_ok(store(&url).await).await;
+    let gw = Arc::new(gw);
     let (tx, mut replies) = tokio::sync::mpsc::unbounded_channel();
     let stop = tokio_util::sync::CancellationToken::new();
     let mut load = Vec::new();

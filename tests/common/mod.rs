@@ -200,6 +200,20 @@ impl TestGateway {
         Self::start_with(config, store, upstream).await
     }
 
+    /// A gateway on `store` in front of one provider (returned, for its calls) that answers
+    /// every call 200 `ok`.
+    pub async fn answering_ok(
+        store: Arc<dyn idemgate::store::JobStore>,
+    ) -> (Self, wiremock::MockServer) {
+        let provider = wiremock::MockServer::start().await;
+        wiremock::Mock::given(wiremock::matchers::method("POST"))
+            .respond_with(wiremock::ResponseTemplate::new(200).set_body_string("ok"))
+            .mount(&provider)
+            .await;
+        let gw = Self::start_on(&two_provider_config(&provider.uri(), "", None, ""), store).await;
+        (gw, provider)
+    }
+
     /// The full config of a test gateway: `[server]` added to `config`.
     pub fn config(config: &str) -> Arc<idemgate::Config> {
         std::env::set_var(ADMIN_TOKEN_ENV, ADMIN_TOKEN);
