@@ -158,13 +158,17 @@ fn millis(t: SystemTime) -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// An `EVALSHA` of `script` with `keys` keys, and room for `bytes` of keys and arguments,
-/// which the caller appends in that order. Written straight into the command: the crate's
+/// An `EVALSHA` of `script` on `keys`, with room for `args` arguments of `bytes` in all,
+/// which the caller appends. Written straight into the command: the crate's
 /// `ScriptInvocation` copies each key and argument (a job's whole record among them) into a
 /// list of its own first, and then into the command.
-fn evalsha(script: &Script, keys: usize, args: usize, bytes: usize) -> Cmd {
-    let mut call = Cmd::with_capacity(3 + keys + args, 64 + bytes);
-    call.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+fn evalsha(script: &Script, keys: &[&str], args: usize, bytes: usize) -> Cmd {
+    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let mut call = Cmd::with_capacity(3 + keys.len() + args, 64 + key_bytes + bytes);
+    call.arg("EVALSHA")
+        .arg(script.get_hash())
+        .arg(keys.len())
+        .arg(keys);
     call
 }
 
@@ -480,12 +484,15 @@ impl JobStore for RedisStore {
         let blob = encode(&record);
         let ttl = Self::ttl_ms(&record, now);
         let lease = millis(record.job.lease_until);
-        let index_keys = usize::from(!self.cluster);
-        let mut call = evalsha(&self.claim, 2 + index_keys, 6, blob.len() + 512);
-        call.arg(&claim_key).arg(keys.job(&id));
-        if !self.cluster {
-            call.arg(self.in_progress_index());
-        }
+        let job_key = keys.job(&id);
+        // On a Cluster the store-wide index lives in another slot: kept outside the script.
+        let all_keys = [claim_key.as_str(), &job_key, self.in_progress_index()];
+        let script_keys = if self.cluster {
+            &all_keys[..2]
+        } else {
+            &all_keys[..]
+        };
+        let mut call = evalsha(&self.claim, script_keys, 6, blob.len() + 256);
         call.arg(&id)
             .arg(&blob)
             .arg(ttl)
@@ -523,11 +530,7 @@ impl JobStore for RedisStore {
         }
         // Expired by the caller's clock but not yet by Redis's TTL: replace it, if the claim
         // still names it.
-        let mut call = evalsha(&self.replace, 2 + index_keys, 7, blob.len() + 512);
-        call.arg(&claim_key).arg(keys.job(&id));
-        if !self.cluster {
-            call.arg(self.in_progress_index());
-        }
+        let mut call = evalsha(&self.replace, script_keys, 7, blob.len() + 256);
         call.arg(&id)
             .arg(&blob)
             .arg(ttl)
@@ -588,20 +591,26 @@ impl JobStore for RedisStore {
                 Vec::new()
             };
             let response_blob = response.as_ref().map(encode).unwrap_or_default();
-            let index_keys = if self.cluster { 0 } else { 2 };
+            let (job_key, resp_key, watch_key) = (keys.job(id), keys.resp(id), keys.watch(id));
+            let all_keys = [
+                job_key.as_str(),
+                &resp_key,
+                &claim_key,
+                &watch_key,
+                self.unknown_index(),
+                self.in_progress_index(),
+            ];
+            let script_keys = if self.cluster {
+                &all_keys[..4]
+            } else {
+                &all_keys[..]
+            };
             let mut call = evalsha(
                 &self.apply,
-                4 + index_keys,
+                script_keys,
                 7,
-                blob.len() + response_blob.len() + 768,
+                blob.len() + response_blob.len() + 256,
             );
-            call.arg(keys.job(id))
-                .arg(keys.resp(id))
-                .arg(&claim_key)
-                .arg(keys.watch(id));
-            if !self.cluster {
-                call.arg(self.unknown_index()).arg(self.in_progress_index());
-            }
             call.arg(rev)
                 .arg(&blob)
                 .arg(Self::ttl_ms(&next, now))
