@@ -33,6 +33,15 @@ pub(super) fn method(method: &Method) -> Method {
 /// The normalised path. An encoded `/` or `\` is refused: a provider may decode it into a
 /// path separator that the gateway never saw.
 pub(super) fn normalise(path: &str) -> Result<String, Refused> {
+    // Nearly every request names its path in the one spelling already: checked in one pass
+    // and copied, instead of decoded, split and joined again.
+    if is_normal(path) {
+        return Ok(path.to_owned());
+    }
+    normalise_in_full(path)
+}
+
+fn normalise_in_full(path: &str) -> Result<String, Refused> {
     let decoded = decode_unreserved(path)?;
     let mut kept: Vec<&str> = Vec::new();
     // A path that ends in `/`, `/.` or `/..` names a directory: it keeps its trailing slash.
@@ -57,6 +66,25 @@ pub(super) fn normalise(path: &str) -> Result<String, Refused> {
         normal.push('/');
     }
     Ok(normal)
+}
+
+/// Whether `path` is its own normal form: ASCII, rooted, nothing percent-encoded, and no
+/// empty, `.` or `..` segment but a last empty one (a trailing slash).
+fn is_normal(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix('/') else {
+        return false;
+    };
+    if !path.is_ascii() || path.contains('%') {
+        return false;
+    }
+    let mut segments = rest.split('/').peekable();
+    while let Some(segment) = segments.next() {
+        let last = segments.peek().is_none();
+        if matches!(segment, "." | "..") || (segment.is_empty() && !last) {
+            return false;
+        }
+    }
+    true
 }
 
 fn decode_unreserved(path: &str) -> Result<String, Refused> {
@@ -114,6 +142,39 @@ mod tests {
         assert_eq!(normalise("/a%2fb"), Err(Refused));
         assert_eq!(normalise("/a%5Cb"), Err(Refused));
         assert_eq!(normalise("/a%2"), Ok("/a%2".into()));
+    }
+
+    #[test]
+    fn a_path_taken_as_normal_is_what_normalising_it_gives() {
+        use proptest::prelude::*;
+        let spelling = proptest::collection::vec(
+            prop_oneof![
+                Just("/"),
+                Just("."),
+                Just(".."),
+                Just("a"),
+                Just("v1"),
+                Just("%2E"),
+                Just("%61"),
+                Just("%2F"),
+                Just("é"),
+                Just("\\"),
+            ],
+            0..8,
+        )
+        .prop_map(|parts| parts.concat());
+        proptest!(ProptestConfig::with_cases(2048), |(path in spelling)| {
+            if is_normal(&path) {
+                prop_assert_eq!(normalise_in_full(&path), Ok(path.clone()));
+            }
+            prop_assert_eq!(normalise(&path), normalise_in_full(&path));
+        });
+        for normal in ["/", "/v1/chat/completions", "/a/b/", "/a\\b"] {
+            assert!(is_normal(normal), "{normal}");
+        }
+        for not_normal in ["", "a", "//a", "/a//b", "/a/./b", "/a/..", "/a%20b", "/é"] {
+            assert!(!is_normal(not_normal), "{not_normal}");
+        }
     }
 
     #[test]
