@@ -51,7 +51,8 @@ impl Document {
             pos: 0,
             out: Vec::with_capacity(text.len()),
         };
-        let mut nodes: Vec<Node> = Vec::new();
+        // Room for a usual request's dozen values, so that they are not copied as it grows.
+        let mut nodes: Vec<Node> = Vec::with_capacity(16);
         let mut stack: Vec<Frame> = Vec::new();
         p.skip_ws();
         loop {
@@ -318,8 +319,7 @@ impl<'a> Parser<'a> {
             b'"' => self.string(),
             b'-' | b'0'..=b'9' => {
                 let start = self.out.len();
-                let number = self.number()?;
-                self.out.extend_from_slice(&number);
+                self.number()?;
                 Some((start, self.out.len()))
             }
             _ => {
@@ -365,9 +365,9 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// A number in canonical form: `[-]digits[e[-]exponent]`, with no leading or trailing
-    /// zero in the digits; zero (and minus zero) is `0`.
-    fn number(&mut self) -> Option<Vec<u8>> {
+    /// A number in canonical form, written to `out`: `[-]digits[e[-]exponent]`, with no
+    /// leading or trailing zero in the digits; zero (and minus zero) is `0`.
+    fn number(&mut self) -> Option<()> {
         let start = self.pos;
         let negative = self.peek() == Some(b'-');
         if negative {
@@ -406,18 +406,34 @@ impl<'a> Parser<'a> {
             exponent = (sign, digits);
         }
         debug_assert!(self.pos > start);
+        if frac.is_empty() && exponent.1.is_empty() {
+            // The usual `0`, `64` or `-3`: an integer without trailing zeros is its own
+            // canonical form (the grammar above refused leading ones).
+            if int == b"0" {
+                self.out.push(b'0');
+                return Some(());
+            }
+            if int.last() != Some(&b'0') {
+                if negative {
+                    self.out.push(b'-');
+                }
+                self.out.extend_from_slice(int);
+                return Some(());
+            }
+        }
         let mut significant: Vec<u8> = int.iter().chain(frac).copied().collect();
         let leading = significant.iter().take_while(|&&d| d == b'0').count();
         significant.drain(..leading);
         if significant.is_empty() {
-            return Some(b"0".to_vec());
+            self.out.push(b'0');
+            return Some(());
         }
         let trailing = significant.iter().rev().take_while(|&&d| d == b'0').count();
         significant.truncate(significant.len() - trailing);
         // value = significant × 10^(exponent − len(frac) + trailing)
         let shift = trailing as i128 - frac.len() as i128;
         let (exp_negative, exp_digits) = add(exponent.0, exponent.1, shift);
-        let mut out = Vec::with_capacity(significant.len() + exp_digits.len() + 3);
+        let out = &mut self.out;
         if negative {
             out.push(b'-');
         }
@@ -429,7 +445,7 @@ impl<'a> Parser<'a> {
             }
             out.extend_from_slice(&exp_digits);
         }
-        Some(out)
+        Some(())
     }
 
     fn digits(&mut self) -> &'a [u8] {
