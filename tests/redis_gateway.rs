@@ -49,6 +49,39 @@ async fn redis_down_fails_closed_and_traffic_resumes_when_it_is_back() {
     .await;
 }
 
+/// A request through `gw`, and the round trips the store made for it.
+async fn post_counted(gw: &TestGateway, redis: &RedisStore, key: &str) -> (Reply, u64) {
+    let before = redis.round_trips();
+    let reply = gw.post(CHAT, Some(key), chat_request()).await;
+    (reply, redis.round_trips() - before)
+}
+
+/// A Redis command whose reply is not needed, such as `CONFIG RESETSTAT`.
+async fn command(c: &mut redis::aio::MultiplexedConnection, name: &str, arg: &str) {
+    let _: () = redis::cmd(name).arg(arg).query_async(c).await.unwrap();
+}
+
+/// The scripts the server ran since its statistics were last reset.
+async fn scripts_run(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(c)
+        .await
+        .unwrap();
+    stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
     let server = RedisServer::start().await;
@@ -61,60 +94,22 @@ async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
         200
     );
     let mut c = server.connection().await;
-    let script_calls = |stats: String| -> u64 {
-        stats
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
-    };
 
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let before = redis.round_trips();
-    let first = gw.post(CHAT, Some("k-trips"), chat_request()).await;
+    command(&mut c, "CONFIG", "RESETSTAT").await;
+    let (first, trips) = post_counted(&gw, &redis, "k-trips").await;
     assert_eq!(first.status, 200);
+    assert_eq!(trips, 2, "claim (with attempt 1) and settle");
     assert_eq!(
-        redis.round_trips() - before,
+        scripts_run(&mut c).await,
         2,
-        "claim (with attempt 1) and settle"
+        "two scripts ran on the server"
     );
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    assert_eq!(script_calls(stats), 2, "two scripts ran on the server");
 
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let before = redis.round_trips();
-    let replay = gw.post(CHAT, Some("k-trips"), chat_request()).await;
+    command(&mut c, "CONFIG", "RESETSTAT").await;
+    let (replay, trips) = post_counted(&gw, &redis, "k-trips").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
-    assert_eq!(
-        redis.round_trips() - before,
-        1,
-        "a replay is the claim alone"
-    );
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    assert_eq!(script_calls(stats), 1);
+    assert_eq!(trips, 1, "a replay is the claim alone");
+    assert_eq!(scripts_run(&mut c).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,19 +124,10 @@ async fn a_server_that_lost_the_scripts_is_sent_them_again_and_runs_each_once() 
 
     // As after a restart without persistence, or a failover to a replica that never ran them.
     let mut c = server.connection().await;
-    let _: () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let before = redis.round_trips();
-    let first = gw.post(CHAT, Some("k-after"), chat_request()).await;
+    command(&mut c, "SCRIPT", "FLUSH").await;
+    let (first, trips) = post_counted(&gw, &redis, "k-after").await;
     assert_eq!(first.status, 200);
-    assert_eq!(
-        redis.round_trips() - before,
-        6,
-        "claim and settle each: refused, loaded, run"
-    );
+    assert_eq!(trips, 6, "claim and settle each: refused, loaded, run");
     let replay = gw.post(CHAT, Some("k-after"), chat_request()).await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.body, first.body);
