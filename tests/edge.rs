@@ -519,6 +519,94 @@ async fn sighup_rereads_the_allow_file() {
     assert_eq!(received(&provider).await, 2);
 }
 
+/// Given one core (a pinned process, a container with one CPU), the gateway runs one thread:
+/// the scheduler on it serves concurrent duplicates with one provider call and stops cleanly
+/// on SIGTERM with a request in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_given_one_core_runs_one_thread_and_keeps_its_laws() {
+    let mut provider = HeldProvider::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (config, port, admin) = process_config(dir.path(), &provider.url(), "").await;
+    let gateway = spawn_gateway_on_one_core(&config, port, admin).await;
+    let pid = gateway.child.id();
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count();
+    assert_eq!(threads, 1, "one core, one thread");
+
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| {
+            let url = format!("{}{CHAT}", gateway.base);
+            tokio::spawn(async move {
+                send(
+                    &client(),
+                    Method::POST,
+                    &url,
+                    &[
+                        ("authorization", "Bearer a"),
+                        ("idempotency-key", "one-core"),
+                    ],
+                    chat_request(),
+                )
+                .await
+            })
+        })
+        .collect();
+    provider
+        .next_call()
+        .await
+        .answer(200, fixture("openai-chat-completion.json"));
+    let mut ids = Vec::new();
+    for duplicate in duplicates {
+        let reply = bounded("a duplicate's answer", duplicate).await.unwrap();
+        assert_eq!(reply.status, 200);
+        ids.push(reply.job_id());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "one job id: {ids:?}");
+    assert_eq!(provider.calls(), 1);
+
+    // SIGTERM with a request held at the provider: the gateway waits for it, then exits 0.
+    let url = format!("{}{CHAT}", gateway.base);
+    let in_flight = tokio::spawn(async move {
+        send(
+            &client(),
+            Method::POST,
+            &url,
+            &[
+                ("authorization", "Bearer a"),
+                ("idempotency-key", "in-flight"),
+            ],
+            chat_request(),
+        )
+        .await
+    });
+    let held = provider.next_call().await;
+    let mut gateway = gateway;
+    let status = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    held.answer(200, fixture("openai-chat-completion.json"));
+    assert_eq!(
+        bounded("the held answer", in_flight).await.unwrap().status,
+        200
+    );
+    let exited = bounded("the gateway's exit", async {
+        loop {
+            if let Some(status) = gateway.child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(exited.success(), "{exited}");
+    assert_eq!(provider.calls(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_credentials_never_reach_a_provider_that_has_its_own() {
     let mut own = HeldProvider::start().await;

@@ -587,9 +587,33 @@ pub async fn spawn_gateway_logging(
     level: &str,
     stderr: Stdio,
 ) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .arg("--config")
-        .arg(config)
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    command.arg("--config").arg(config);
+    start_gateway(command, port, admin_port, level, stderr).await
+}
+
+/// Like [`spawn_gateway`], allowed to run on the first CPU only (util-linux's `taskset`), as
+/// in a container given one core.
+pub async fn spawn_gateway_on_one_core(
+    config: &std::path::Path,
+    port: u16,
+    admin_port: u16,
+) -> Process {
+    let mut command = Command::new("taskset");
+    command
+        .args(["-c", "0", env!("CARGO_BIN_EXE_idemgate"), "--config"])
+        .arg(config);
+    start_gateway(command, port, admin_port, "warn", Stdio::null()).await
+}
+
+async fn start_gateway(
+    mut command: Command,
+    port: u16,
+    admin_port: u16,
+    level: &str,
+    stderr: Stdio,
+) -> Process {
+    let child = command
         .env(ADMIN_TOKEN_ENV, ADMIN_TOKEN)
         .env("IDEMGATE_LOG", level)
         .stdout(Stdio::null())
