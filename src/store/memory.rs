@@ -246,19 +246,22 @@ impl MemoryStore {
     }
 }
 
+/// Most expired jobs removed at once. The lock is let go and the task yields between
+/// slices, so requests interleave: a slice is what a request may wait behind.
+const SWEEP_SLICE: usize = 64;
+
 async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     loop {
         tick.tick().await;
         let Some(state) = state.upgrade() else { return };
-        // In slices of 1000 with the lock let go in between, so requests interleave.
         loop {
             let now = crate::clock::now();
             let removed = state
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .expire(now, 1000);
-            if removed < 1000 {
+                .expire(now, SWEEP_SLICE);
+            if removed < SWEEP_SLICE {
                 break;
             }
             tokio::task::yield_now().await;
@@ -482,6 +485,36 @@ mod tests {
         again.job.key = "key-1".into();
         let claimed = store.claim(again, later).await.unwrap();
         assert!(matches!(claimed, Claim::Created(r) if r.job.id == "job_000002"));
+    }
+
+    /// A tick removes every job that is due, however many slices that takes, and nothing
+    /// that is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_tick_takes_every_due_job_a_slice_at_a_time() {
+        let store = MemoryStore::new(POLICY);
+        let long_ago = crate::clock::now() - Duration::from_secs(3600);
+        let due = 3 * SWEEP_SLICE + 5;
+        for n in 0..due {
+            store.claim(record(n, long_ago), long_ago).await.unwrap();
+        }
+        let now = crate::clock::now();
+        store.claim(record(due, now), now).await.unwrap();
+        // The first tick is at once; the sweep then yields between slices, so let it run.
+        for _ in 0..100 {
+            if store.lock().jobs.len() == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let state = store.lock();
+        assert_eq!(state.jobs.len(), 1, "every due job went in the first tick");
+        assert_eq!(
+            state
+                .jobs
+                .get(format!("job_{due:06}").as_str())
+                .map(|r| r.job.state),
+            Some(JobState::InProgress)
+        );
     }
 
     #[test]

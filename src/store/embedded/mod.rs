@@ -62,8 +62,9 @@ const IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progres
 
 /// Most operations committed by one transaction.
 const MAX_GROUP: usize = 512;
-/// Most expired jobs one sweep deletes, so a sweep never holds the writer for long.
-const SWEEP_LIMIT: usize = 1000;
+/// Most expired jobs one sweep operation deletes: the claims and settles queued behind it
+/// wait for its commit, which writes a page or more per job.
+const SWEEP_LIMIT: usize = 256;
 
 #[derive(Debug)]
 pub struct EmbeddedStore {
@@ -213,25 +214,11 @@ impl EmbeddedStore {
             let mut tick = tokio::time::interval(every);
             loop {
                 tick.tick().await;
-                let Some(writer) = writer.upgrade() else {
-                    return;
-                };
-                let (reply, answer) = oneshot::channel();
-                if writer
-                    .send(Op::Sweep {
-                        now: crate::clock::now(),
-                        reply,
-                    })
-                    .is_err()
-                {
-                    return;
-                }
-                drop(writer);
-                match answer.await {
-                    Ok(Ok(0)) => {}
-                    Ok(Ok(n)) => debug!(expired = n, "retention sweep"),
-                    Ok(Err(e)) => error!(error = %e, "retention sweep failed"),
-                    Err(_) => return,
+                match sweep_due(&writer, crate::clock::now()).await {
+                    Some(Ok(0)) => {}
+                    Some(Ok(n)) => debug!(expired = n, "retention sweep"),
+                    Some(Err(e)) => error!(error = %e, "retention sweep failed"),
+                    None => return,
                 }
             }
         });
@@ -370,6 +357,27 @@ fn claim_key(record: &JobRecord) -> Vec<u8> {
     key.push(0);
     key.extend_from_slice(record.job.key.as_bytes());
     key
+}
+
+/// Deletes every job due at `now`, [`SWEEP_LIMIT`] at most per operation, so the claims and
+/// settles queued meanwhile commit between the batches. One batch a tick would delete
+/// fewer jobs than a busy gateway creates: at 24 h retention a tick comes every 30 s, and
+/// 1 000 a tick is 33 jobs a second. `None` once the store is gone; the writer is held only
+/// while a batch is handed over, so dropping the store never waits for a sweep.
+async fn sweep_due(
+    writer: &mpsc::WeakUnboundedSender<Op>,
+    now: SystemTime,
+) -> Option<Result<usize, StoreError>> {
+    let mut total = 0;
+    loop {
+        let (reply, answer) = oneshot::channel();
+        writer.upgrade()?.send(Op::Sweep { now, reply }).ok()?;
+        match answer.await.ok()? {
+            Ok(n) if n == SWEEP_LIMIT => total += n,
+            Ok(n) => return Some(Ok(total + n)),
+            Err(e) => return Some(Err(e)),
+        }
+    }
 }
 
 /// The writer thread: drains the queue into one transaction per group, commits once, then
@@ -710,6 +718,44 @@ mod tests {
         };
         check(&record);
         crate::store::walk_every_state(&store, &record, now, check).await;
+    }
+
+    #[tokio::test]
+    async fn a_sweep_takes_every_due_job_in_batches_and_nothing_live() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        // Opened outside the runtime, so no background sweeper races the one called here.
+        let path = dir.path().join("sweep.db");
+        let store = std::thread::spawn(move || EmbeddedStore::open(&path, POLICY))
+            .join()
+            .unwrap()
+            .unwrap();
+        let now = crate::clock::now();
+        let long_ago = now - 3 * (POLICY.retention + POLICY.late_result_window);
+        let due = 2 * SWEEP_LIMIT + 1;
+        let mut ids = Vec::new();
+        for n in 0..due {
+            let Claim::Created(record) = store
+                .claim(fresh("owner", &format!("old-{n}"), long_ago), long_ago)
+                .await
+                .unwrap()
+            else {
+                panic!("a new job");
+            };
+            ids.push(record.job.id);
+        }
+        let Claim::Created(live) = store.claim(fresh("owner", "live", now), now).await.unwrap()
+        else {
+            panic!("a new job");
+        };
+
+        let swept = sweep_due(&store.writer.downgrade(), now).await;
+        assert_eq!(swept.expect("the store is open").unwrap(), due);
+        for id in [&ids[0], &ids[SWEEP_LIMIT], &ids[due - 1]] {
+            assert!(store.get(id).await.unwrap().is_none(), "{id} is swept");
+        }
+        assert!(store.get(&live.job.id).await.unwrap().is_some());
+        let again = sweep_due(&store.writer.downgrade(), now).await;
+        assert_eq!(again.expect("the store is open").unwrap(), 0);
     }
 
     #[tokio::test]

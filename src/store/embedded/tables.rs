@@ -200,6 +200,8 @@ impl<'t> Tables<'t> {
         Ok(Some(Applied { outcome, record }))
     }
 
+    /// Deletes up to [`SWEEP_LIMIT`] due jobs; returns how many expiry entries it took away,
+    /// so a batch that removed fewer than the limit is the last one due.
     pub(super) fn sweep(&mut self, now: SystemTime, touched: &mut Vec<JobId>) -> TxResult<usize> {
         let due: Vec<(u64, String)> = self
             .expiry
@@ -207,15 +209,22 @@ impl<'t> Tables<'t> {
             .take(SWEEP_LIMIT)
             .map(|entry| entry.map(|(k, _)| (k.value().0, k.value().1.to_owned())))
             .collect::<Result<_, _>>()?;
+        let mut removed = 0;
         for (at, id) in &due {
             match self.load(id)? {
-                Some(record) if record.is_expired(now) => self.delete(&record)?,
+                Some(record) if record.is_expired(now) => {
+                    self.delete(&record)?;
+                    removed += 1;
+                }
                 Some(_) => {}
                 // An index entry without its job: drop it.
-                None => drop(self.expiry.remove((*at, id.as_str()))?),
+                None => {
+                    self.expiry.remove((*at, id.as_str()))?;
+                    removed += 1;
+                }
             }
             touched.push(id.clone());
         }
-        Ok(due.len())
+        Ok(removed)
     }
 }
