@@ -63,8 +63,11 @@ const IN_PROGRESS: TableDefinition<&str, u64> = TableDefinition::new("in_progres
 /// Most operations committed by one transaction.
 const MAX_GROUP: usize = 512;
 /// Most expired jobs one sweep operation deletes: the claims and settles queued behind it
-/// wait for its commit, which writes a page or more per job.
-const SWEEP_LIMIT: usize = 256;
+/// wait for its commit, which writes a page or more per job (each job's claim sits on a
+/// leaf of its own). With jobs expiring as fast as they were made at 32 clients, batches of
+/// 256 put the p99 of a new job at 12–18 ms, of 64 at 9 ms (CPU per job +5 %), of 32 at
+/// 6–10 ms (+8 %).
+const SWEEP_LIMIT: usize = 64;
 
 #[derive(Debug)]
 pub struct EmbeddedStore {
