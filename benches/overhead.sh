@@ -168,20 +168,25 @@ PY
 )
 fi
 
+# store_table STORE: the [store] table's lines of a gateway on STORE (a new file for embedded).
+store_table() {
+  case "$1" in
+    memory) echo 'kind = "memory"' ;;
+    embedded) printf 'kind = "embedded"\npath = "%s"\n' "$work/idemgate-$RANDOM$RANDOM.db" ;;
+    redis) printf 'kind = "redis"\nurl = "redis://127.0.0.1:%s"\n' "$redis_port" ;;
+  esac
+}
+
 for store in $STORES; do
+  case "$store" in
+    memory | embedded | redis) ;;
+    *) echo "unknown store $store" >&2; exit 2 ;;
+  esac
   # The rows before wrote tens of MB of access log: flushed now, not by the kernel's
   # writeback in the middle of the embedded store's fsyncs.
   sync
-  case "$store" in
-    memory) table='kind = "memory"' ;;
-    embedded) table="kind = \"embedded\"
-path = \"$work/idemgate-$RANDOM.db\"" ;;
-    redis) table="kind = \"redis\"
-url = \"redis://127.0.0.1:$redis_port\"" ;;
-    *) echo "unknown store $store" >&2; exit 2 ;;
-  esac
   port="$(free_port)"
-  gateway_config "$port" "$provider_port" "$table" >"$work/$store.toml"
+  gateway_config "$port" "$provider_port" "$(store_table "$store")" >"$work/$store.toml"
   RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store.toml" >"$work/$store.log" 2>&1 &
   gw=$!
   pids+=($gw)
@@ -197,6 +202,23 @@ url = \"redis://127.0.0.1:$redis_port\"" ;;
   fi
   kill "$gw"
   wait "$gw" 2>/dev/null || true
+  # The same store once retention is reached, as in a gateway that has run longer than its
+  # retention: with `retention = "1s"` jobs expire as fast as they are made, and the sweep
+  # deletes one job for each new one. (Redis expires its keys itself.)
+  if [[ "$store" != redis ]]; then
+    port="$(free_port)"
+    gateway_config "$port" "$provider_port" "$(store_table "$store")
+[idempotency]
+retention = \"1s\"
+late_result_window = \"1s\"" >"$work/$store-expiring.toml"
+    RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store-expiring.toml" >"$work/$store-expiring.log" 2>&1 &
+    gw=$!
+    pids+=($gw)
+    wait_port "$port"
+    measure "idemgate, new job, $store, expiring" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+    kill "$gw"
+    wait "$gw" 2>/dev/null || true
+  fi
 done
 
 # What one stored job costs with a 2 KB answer, as SPEC's sizing asks, and with the headers
