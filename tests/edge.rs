@@ -527,7 +527,7 @@ async fn a_gateway_given_one_core_runs_one_thread_and_keeps_its_laws() {
     let mut provider = HeldProvider::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (config, port, admin) = process_config(dir.path(), &provider.url(), "").await;
-    let gateway = spawn_gateway_on_one_core(&config, port, admin).await;
+    let mut gateway = spawn_gateway_on_one_core(&config, port, admin).await;
     let pid = gateway.child.id();
     let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
@@ -582,7 +582,6 @@ async fn a_gateway_given_one_core_runs_one_thread_and_keeps_its_laws() {
         .await
     });
     let held = provider.next_call().await;
-    let mut gateway = gateway;
     let status = std::process::Command::new("kill")
         .arg("-TERM")
         .arg(pid.to_string())
