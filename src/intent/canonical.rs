@@ -262,6 +262,37 @@ fn quoted(token: &str) -> Vec<u8> {
 
 /// One code point of a canonical string: `"`, `\` and control characters escaped, lone
 /// surrogates as `\udxxx`, everything else as UTF-8.
+/// Where the run of bytes a JSON string can hold as they are ends: the index of the first
+/// quote, backslash or control character, `None` when there is none. Most of a chat body is
+/// message text, so this scan is most of the parse; it tests eight bytes at a time with
+/// word arithmetic, several times faster than a byte loop, which the compiler cannot
+/// vectorise because it stops early.
+fn plain_run(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // The high bit of each byte of `w` below `n` (n ≤ 0x80). A borrow only runs upwards from
+    // a byte that matches, so the lowest flagged byte is always a true match; higher flags
+    // may be false, and are never read.
+    let below = |w: u64, n: u64| w.wrapping_sub(ONES * n) & !w & HIGH;
+    let mut chunks = bytes.chunks_exact(8);
+    let mut at = 0;
+    for chunk in &mut chunks {
+        let w = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+        let found = below(w ^ (ONES * u64::from(b'"')), 1)
+            | below(w ^ (ONES * u64::from(b'\\')), 1)
+            | below(w, 0x20);
+        if found != 0 {
+            return Some(at + (found.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    chunks
+        .remainder()
+        .iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .map(|i| at + i)
+}
+
 fn push_code_point(out: &mut Vec<u8>, c: u32) {
     match c {
         0x22 => out.extend_from_slice(b"\\\""),
@@ -344,9 +375,7 @@ impl<'a> Parser<'a> {
         out.push(b'"');
         loop {
             // Plain bytes up to the next quote, escape or control character, in one copy.
-            let run = self.text[self.pos..]
-                .iter()
-                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+            let run = plain_run(&self.text[self.pos..])?;
             out.extend_from_slice(&self.text[self.pos..self.pos + run]);
             self.pos += run;
             match self.text[self.pos] {
@@ -551,6 +580,45 @@ mod tests {
 
     fn same(a: &str, b: &str) -> bool {
         canonical(a).unwrap() == canonical(b).unwrap()
+    }
+
+    /// Every byte value at every position of runs around a word's length, among plain bytes
+    /// that sit next to the stops in value (0x20, 0x21, 0x23, 0x5b, 0x5d, 0x7f, 0x80, 0xff):
+    /// the word scan finds what a byte loop finds, and a second stop after the first does
+    /// not move it.
+    #[test]
+    fn a_plain_run_ends_at_the_first_quote_backslash_or_control_character() {
+        let naive = |bytes: &[u8]| {
+            bytes
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        };
+        let fillers = [0x20, 0x21, 0x23, 0x5b, 0x5d, 0x7f, 0x80, 0xff, b'a'];
+        for len in 0..=19 {
+            for filler in fillers {
+                let plain = vec![filler; len];
+                assert_eq!(plain_run(&plain), None, "{len} bytes of {filler:#x}");
+                for at in 0..len {
+                    for byte in 0..=255u8 {
+                        let mut bytes = plain.clone();
+                        bytes[at] = byte;
+                        assert_eq!(
+                            plain_run(&bytes),
+                            naive(&bytes),
+                            "{byte:#x} at {at} of {len}"
+                        );
+                        if at + 1 < len {
+                            bytes[at + 1] = 0;
+                            assert_eq!(
+                                plain_run(&bytes),
+                                naive(&bytes),
+                                "{byte:#x} at {at}, then a stop"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
