@@ -881,18 +881,24 @@ async fn safe_methods_and_off_routes_pass_through_without_jobs() {
     assert_eq!(received(&primary).await, 3);
 }
 
+/// The body's model is read once and tried against each model route in order; a body
+/// that names no model route's model goes to the first route without models.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_match_models_by_glob() {
     let gpt = answering(ResponseTemplate::new(200).set_body_string("gpt")).await;
     let claude = answering(ResponseTemplate::new(200).set_body_string("claude")).await;
+    let rest = answering(ResponseTemplate::new(200).set_body_string("rest")).await;
     let gw = TestGateway::start(&format!(
         "[store]\nkind = \"memory\"\n\
          [[providers]]\nname = \"gpt\"\nbase_url = \"{}\"\n\
          [[providers]]\nname = \"claude\"\nbase_url = \"{}\"\n\
+         [[providers]]\nname = \"rest\"\nbase_url = \"{}\"\n\
          [[routes]]\nname = \"gpt\"\npath_prefix = \"/v1\"\nmodels = [\"gpt-4o*\"]\nproviders = [\"gpt\"]\n\
-         [[routes]]\nname = \"other\"\npath_prefix = \"/v1\"\nproviders = [\"claude\"]\n",
+         [[routes]]\nname = \"claude\"\npath_prefix = \"/v1\"\nmodels = [\"claude-*\"]\nproviders = [\"claude\"]\n\
+         [[routes]]\nname = \"other\"\npath_prefix = \"/v1\"\nproviders = [\"rest\"]\n",
         gpt.uri(),
-        claude.uri()
+        claude.uri(),
+        rest.uri()
     ))
     .await;
     let a = gw
@@ -906,11 +912,33 @@ async fn routes_match_models_by_glob() {
         .post(
             "/v1/messages",
             Some("m2"),
-            Bytes::from_static(br#"{"model":"claude-sonnet-4"}"#),
+            Bytes::from_static(
+                br#"{"messages":[{"role":"user","content":"hi","model":"gpt-4o"}],"model":"claude-sonnet-4"}"#,
+            ),
         )
         .await;
-    assert_eq!((&a.body[..], &b.body[..]), (&b"gpt"[..], &b"claude"[..]));
+    let c = gw
+        .post(
+            "/v1/chat/completions",
+            Some("m3"),
+            Bytes::from_static(br#"{"model":"llama-3"}"#),
+        )
+        .await;
+    assert_eq!(
+        (&a.body[..], &b.body[..], &c.body[..]),
+        (&b"gpt"[..], &b"claude"[..], &b"rest"[..])
+    );
     assert_eq!(gw.job(&a.job_id()).await["job"]["route"], "gpt");
+    assert_eq!(gw.job(&b.job_id()).await["job"]["route"], "claude");
+    assert_eq!(gw.job(&c.job_id()).await["job"]["route"], "other");
+    assert_eq!(
+        (
+            received(&gpt).await,
+            received(&claude).await,
+            received(&rest).await
+        ),
+        (1, 1, 1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,10 +5,12 @@
 //! - this module: reading the intent of a request;
 //! - `path`: the one spelling of a method and path that routing and fingerprints use;
 //! - `body`: the client's body, read once and bounded in size, budget and time;
+//! - `model`: the `model` a body names, for routes that match by model;
 //! - `passthrough`: safe methods and `off` routes, proxied without a job;
 //! - `response`: outcomes as responses, replays byte for byte.
 
 mod body;
+pub mod model;
 mod passthrough;
 mod path;
 mod response;
@@ -262,6 +264,8 @@ impl Gateway {
         path: &str,
         body: &mut PendingBody,
     ) -> Result<Arc<Route>, Cause> {
+        // The body's model, read at the first route that matches by model.
+        let mut named: Option<Option<String>> = None;
         for route in &self.config().routes {
             let method_ok = route
                 .methods
@@ -273,12 +277,15 @@ impl Gateway {
             if route.models.is_empty() {
                 return Ok(route.clone());
             }
-            let bytes = body.read(parts).await?;
-            let model = serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .and_then(|v| v.get("model").and_then(|m| m.as_str().map(str::to_owned)));
+            let model = match &named {
+                Some(model) => model,
+                None => {
+                    let bytes = body.read(parts).await?;
+                    named.insert(model::model_of(&bytes).map(std::borrow::Cow::into_owned))
+                }
+            };
             if let Some(model) = model {
-                if route.models.iter().any(|glob| glob.matches(&model)) {
+                if route.models.iter().any(|glob| glob.matches(model)) {
                     return Ok(route.clone());
                 }
             }
