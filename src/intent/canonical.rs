@@ -198,8 +198,9 @@ impl Document {
         &self.bytes[start..end]
     }
 
-    /// The canonical form, written without recursion.
-    pub(super) fn write(mut self, out: &mut Vec<u8>) {
+    /// The canonical form, written without recursion, in pieces: nothing is taken back, so
+    /// `out` may hash the bytes as they come instead of holding a copy of the whole form.
+    pub(super) fn write(mut self, out: &mut impl Output) {
         let bytes = &self.bytes;
         for node in &mut self.nodes {
             if let Node::Object(members) = node {
@@ -211,41 +212,38 @@ impl Document {
         let mut stack: Vec<(usize, usize)> = vec![(self.root, 0)];
         while let Some((id, child)) = stack.pop() {
             match &self.nodes[id] {
-                Node::Scalar(span) => out.extend_from_slice(self.span(*span)),
-                Node::Array(items) => {
-                    out.push(if child == 0 { b'[' } else { b',' });
-                    match items.get(child) {
-                        Some(&item) => {
-                            stack.push((id, child + 1));
-                            stack.push((item, 0));
-                        }
-                        None => {
-                            if child > 0 {
-                                out.pop();
-                            }
-                            out.push(b']');
-                        }
+                Node::Scalar(span) => out.put(self.span(*span)),
+                Node::Array(items) => match items.get(child) {
+                    Some(&item) => {
+                        out.put(if child == 0 { b"[" } else { b"," });
+                        stack.push((id, child + 1));
+                        stack.push((item, 0));
                     }
-                }
-                Node::Object(members) => {
-                    out.push(if child == 0 { b'{' } else { b',' });
-                    match members.get(child) {
-                        Some((name, value)) => {
-                            out.extend_from_slice(self.span(*name));
-                            out.push(b':');
-                            stack.push((id, child + 1));
-                            stack.push((*value, 0));
-                        }
-                        None => {
-                            if child > 0 {
-                                out.pop();
-                            }
-                            out.push(b'}');
-                        }
+                    None => out.put(if child == 0 { b"[]" } else { b"]" }),
+                },
+                Node::Object(members) => match members.get(child) {
+                    Some((name, value)) => {
+                        out.put(if child == 0 { b"{" } else { b"," });
+                        out.put(self.span(*name));
+                        out.put(b":");
+                        stack.push((id, child + 1));
+                        stack.push((*value, 0));
                     }
-                }
+                    None => out.put(if child == 0 { b"{}" } else { b"}" }),
+                },
             }
         }
+    }
+}
+
+/// Where [`Document::write`] puts the canonical form, a piece at a time.
+pub(super) trait Output {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Output for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
     }
 }
 
