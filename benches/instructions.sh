@@ -35,7 +35,8 @@ provider_bin="$target_dir/release/examples/mock_provider"
 keep="${KEEP:-$work}"
 mkdir -p "$keep"
 
-export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
+# BODY_FILE=<file> sends another request body (benches/overhead.sh makes a 16 KiB one).
+export BODY_FILE="${BODY_FILE:-$PWD/tests/fixtures/openai-chat-request.json}"
 if [[ "$STORE" == redis ]]; then
   need redis-server redis-server
   redis_port="$(free_port)"

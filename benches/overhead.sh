@@ -36,6 +36,32 @@ cpu_ticks() {
 hz="$(getconf CLK_TCK)"
 
 export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
+# A request of the size a conversation reaches (the fixture is one short message): a system
+# prompt and twenty turns of prose with line breaks, quotes and a few escapes, ~16 KiB. Rows
+# "16 KiB request" show what the gateway spends per byte of body (the fingerprint reads it
+# all) against what nginx spends passing it on.
+large_body="$work/chat-16k.json"
+python3 - "$large_body" <<'PY'
+import json, random, sys
+words = ("the model answers each question with care and cites the passage it relies on; "
+         "when a \"quote\" appears it is kept as written, caf\u00e9 and na\u00efve too, "
+         "with numbers like 3.14 or 2024 and code such as f(x) = {x: [1, 2]}.").split(" ")
+rng = random.Random(1842)
+def prose(n):
+    out = []
+    for i in range(n):
+        out.append(rng.choice(words))
+        if i % 40 == 39:
+            out.append("\n\n")
+    return " ".join(out)
+messages = [{"role": "system", "content": prose(150)}]
+for turn in range(20):
+    messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": prose(130)})
+body = {"model": "gpt-4o-mini", "messages": messages, "temperature": 0.2, "max_tokens": 512,
+        "metadata": {"conversation": "c-1842", "turn": 21}}
+with open(sys.argv[1], "w") as f:
+    json.dump(body, f)
+PY
 
 provider_port="$(free_port)"
 taskset -c 0 "$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
@@ -103,6 +129,7 @@ pids+=($!)
 nginx_pid=$!
 wait_port "$nginx_port"
 measure "nginx proxy_pass (no idempotency)" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
+BODY_FILE="$large_body" measure "nginx proxy_pass, 16 KiB request" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
 kill "$nginx_pid"
 wait "$nginx_pid" 2>/dev/null || true
 # The same with an access log, as the gateway writes one line per request (SPEC §11).
@@ -199,6 +226,8 @@ for store in $STORES; do
   fi
   if [[ "$store" == memory ]]; then
     measure "idemgate, replay, $store" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+    BODY_FILE="$large_body" measure "idemgate, new job, memory, 16 KiB request" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+    BODY_FILE="$large_body" measure "idemgate, replay, memory, 16 KiB request" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
   fi
   kill "$gw"
   wait "$gw" 2>/dev/null || true
@@ -283,6 +312,10 @@ END {
   if ((i = find("replay, memory"))) {
     printf "replay, memory: CPU %.2f × nginx (target ≤ 0.75): %s; %.2f × the provider'"'"'s req/s (target > 1): %s\n",
       cpu[i] / cpu[nginx], verdict(cpu[i] <= 0.75 * cpu[nginx]), rps[i] / rps[direct], verdict(rps[i] > rps[direct])
+  }
+  if ((i = find("new job, memory, 16 KiB")) && (j = find("nginx proxy_pass, 16 KiB"))) {
+    printf "16 KiB request (no target): a new job %.2f × nginx'"'"'s CPU for the same body (%.1f µs more per request than with the fixture), a replay %.2f ×\n",
+      cpu[i] / cpu[j], cpu[i] - cpu[memory], cpu[find("replay, memory, 16 KiB")] / cpu[j]
   }
   if ((i = find("new job, redis"))) {
     if (rt != "") {

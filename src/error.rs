@@ -246,7 +246,7 @@ struct SdkError<'a> {
 tokio::task_local! {
     /// The id of the request being served (SPEC §11), set by the client edge for the whole
     /// request, so every problem names it wherever it is built.
-    pub static REQUEST_ID: String;
+    pub static REQUEST_ID: http::HeaderValue;
 }
 
 impl From<Cause> for Problem {
@@ -418,7 +418,10 @@ impl Problem {
             status: self.kind.status().as_u16(),
             detail: &self.detail,
             job_id: self.job_id.as_deref(),
-            request_id: REQUEST_ID.try_with(Clone::clone).ok(),
+            request_id: REQUEST_ID
+                .try_with(|id| id.to_str().map(str::to_owned).ok())
+                .ok()
+                .flatten(),
             error: SdkError {
                 message: &self.detail,
                 kind: self.kind.slug(),

@@ -131,13 +131,14 @@ impl Service<Request<Body>> for AccessLog {
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let started = tokio::time::Instant::now();
         let method = request.method().clone();
-        let raw_path = request.uri().path().to_owned();
+        // Clones that share the request's buffers: a copy of each was three allocations of
+        // a replay's sixty.
+        let uri = request.uri().clone();
         let request_id = request
             .headers()
             .get(headers::REQUEST_ID)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
+            .cloned()
+            .unwrap_or_else(|| http::HeaderValue::from_static(""));
         let inner = self.inner.call(request);
         Box::pin(REQUEST_ID.scope(request_id.clone(), async move {
             let response = inner
@@ -162,7 +163,7 @@ impl Service<Request<Body>> for AccessLog {
             info!(
                 target: "idemgate::access",
                 method = method.as_str(),
-                path = info.map_or(raw_path.as_str(), |i| i.path.as_str()),
+                path = info.map_or(uri.path(), |i| i.path.as_str()),
                 route = info.and_then(|i| i.route.as_deref()).unwrap_or(""),
                 status = response.status().as_u16(),
                 duration_ms = started.elapsed().as_secs_f64() * 1000.0,
@@ -171,7 +172,7 @@ impl Service<Request<Body>> for AccessLog {
                 attempt = header(headers::ATTEMPT),
                 provider = header(headers::PROVIDER),
                 replayed = header(headers::REPLAYED),
-                request_id = request_id.as_str(),
+                request_id = request_id.to_str().unwrap_or_default(),
                 "request"
             );
             Ok(response)
