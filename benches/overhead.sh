@@ -111,6 +111,9 @@ error_log $work/nginx/error.log warn;
 events { worker_connections 4096; }
 http {
   access_log off;
+  # Request bodies up to 64 KiB stay in memory; past nginx's default 8 KiB they would go
+  # through a temporary file, which no AI gateway in front of chat requests is set up to do.
+  client_body_buffer_size 64k;
   client_body_temp_path $work/nginx/body;
   proxy_temp_path $work/nginx/proxy;
   upstream provider { server 127.0.0.1:$provider_port; keepalive 64; }

@@ -297,10 +297,11 @@ fn push_code_point(out: &mut Vec<u8>, c: u32) {
         0x5c => out.extend_from_slice(b"\\\\"),
         0..=0x1f | 0xd800..=0xdfff => {
             const HEX: &[u8; 16] = b"0123456789abcdef";
-            out.extend_from_slice(b"\\u");
-            for shift in [12, 8, 4, 0] {
-                out.push(HEX[((c >> shift) & 0xf) as usize]);
+            let mut escaped = *b"\\u0000";
+            for (at, shift) in [(2, 12), (3, 8), (4, 4), (5, 0)] {
+                escaped[at] = HEX[((c >> shift) & 0xf) as usize];
             }
+            out.extend_from_slice(&escaped);
         }
         _ => {
             let c = char::from_u32(c).expect("not a surrogate");
@@ -490,11 +491,9 @@ impl<'a> Parser<'a> {
 /// itself.
 fn escape(text: &[u8]) -> Option<(u32, usize)> {
     let hex4 = |at: usize| -> Option<u32> {
-        let digits = text.get(at..at + 4)?;
-        if !digits.iter().all(u8::is_ascii_hexdigit) {
-            return None;
-        }
-        u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+        text.get(at..at + 4)?.iter().try_fold(0, |value, &digit| {
+            Some(value << 4 | char::from(digit).to_digit(16)?)
+        })
     };
     Some(match *text.get(1)? {
         b'"' => (0x22, 2),
