@@ -34,11 +34,11 @@ use crate::config::{Config, Route};
 use crate::error::Cause;
 use crate::job::{
     claim_digest_bytes, job_id_for, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState,
-    StoredResponse, Transition,
+    Settled, StoredResponse, Transition,
 };
 use crate::metrics::Metrics;
 use crate::probe::ProbeResults;
-use crate::store::{Applied, Claim, JobStore, MirroredStream, StoreError};
+use crate::store::{Applied, Claim, JobStore, MirroredStream, Peeked, StoreError};
 use crate::stream::{LiveStream, LiveStreams};
 use crate::upstream::{ClientRequest, Upstream};
 
@@ -316,8 +316,15 @@ impl Engine {
         };
         let now = crate::clock::now();
         let identity = claim_digest_bytes(&owner, &key);
-        if let Some(record) = self.store.peek(&identity, now) {
-            return self.existing(route, record, &fingerprint, request).await;
+        match self.store.peek(&identity, now, &fingerprint) {
+            Some(Peeked::Settled(settled)) => {
+                tracing::Span::current().record("job_id", settled.job_id.as_str());
+                return replayed(settled);
+            }
+            Some(Peeked::Record(record)) => {
+                return self.existing(route, record, &fingerprint, request).await
+            }
+            None => {}
         }
         let idem = &self.config.idempotency;
         let policy = Self::expiry_policy(&self.config);
@@ -641,6 +648,17 @@ fn next_ordinal(record: &JobRecord) -> u32 {
 }
 
 /// A settled job's stored answer, or why there is none to give.
+/// A settled job's answer, replayed.
+fn replayed(settled: Settled) -> Outcome {
+    Outcome::Answer {
+        job_id: Some(settled.job_id),
+        response: settled.response,
+        n: settled.n,
+        provider: settled.provider,
+        replayed: true,
+    }
+}
+
 fn replay(record: JobRecord) -> Outcome {
     let JobRecord { job, attempts } = record;
     // Moved out, not cloned: a stored answer's headers are a string each.

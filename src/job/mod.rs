@@ -303,6 +303,16 @@ pub enum Found {
     Reopenable { version: u64 },
 }
 
+/// What a replay needs of a settled job: its id, its stored answer and the attempt that
+/// gave it. Cheap to take from a record in place: the answer's buffers are shared.
+#[derive(Clone, Debug)]
+pub struct Settled {
+    pub job_id: JobId,
+    pub response: StoredResponse,
+    pub n: u32,
+    pub provider: String,
+}
+
 impl JobRecord {
     /// A freshly claimed job: `in_progress`, version 1, no attempts, leased until `lease_until`.
     #[allow(clippy::too_many_arguments)]
@@ -351,6 +361,26 @@ impl JobRecord {
                 version: self.job.version,
             },
         }
+    }
+
+    /// The answer of a succeeded job whose body was kept, as a replay sends it; `None` for
+    /// any other job (a replay of one kept without its body is refused by the engine).
+    pub fn settled(&self) -> Option<Settled> {
+        if self.job.state != JobState::Succeeded {
+            return None;
+        }
+        let response = self.job.response.as_ref().filter(|r| !r.body_omitted)?;
+        let (n, provider) = self
+            .job
+            .completed_by
+            .and_then(|n| self.attempt(n))
+            .map_or((0, String::new()), |a| (a.n, a.provider.clone()));
+        Some(Settled {
+            job_id: self.job.id.clone(),
+            response: response.clone(),
+            n,
+            provider,
+        })
     }
 
     pub fn is_expired(&self, now: SystemTime) -> bool {
@@ -855,6 +885,24 @@ mod tests {
         complete(&mut r, n, "a").unwrap();
         assert_eq!(r.classify("other", t(1)), Found::Conflict);
         assert_eq!(r.classify("fp", t(1)), Found::Replay);
+    }
+
+    /// Only a succeeded job whose body was kept has an answer to replay, the one its winning
+    /// attempt gave.
+    #[test]
+    fn a_succeeded_job_is_settled_with_its_winning_attempt() {
+        let mut r = record();
+        assert!(r.settled().is_none(), "in progress");
+        start(&mut r, "primary");
+        let second = start(&mut r, "fallback");
+        assert!(r.settled().is_none(), "attempts running");
+        complete(&mut r, second, "b").unwrap();
+        let settled = r.settled().expect("succeeded");
+        assert_eq!((settled.n, settled.provider.as_str()), (second, "fallback"));
+        assert_eq!(&settled.response.body[..], b"b");
+        assert_eq!(settled.job_id, r.job.id);
+        r.job.response.as_mut().unwrap().body_omitted = true;
+        assert!(r.settled().is_none(), "an answer not kept is not replayed");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use super::{Applied, Changes, Claim, JobStore, StoreError};
+use super::{Applied, Changes, Claim, JobStore, Peeked, StoreError};
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
 #[derive(Debug)]
@@ -287,7 +287,7 @@ impl JobStore for MemoryStore {
         Ok(Claim::Created(record))
     }
 
-    fn peek(&self, identity: &[u8; 32], now: SystemTime) -> Option<JobRecord> {
+    fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
         let state = self.lock();
         let live = state
             .by_key
@@ -295,7 +295,7 @@ impl JobStore for MemoryStore {
             .and_then(|id| state.jobs.get(id))
             .map(|r| &**r)
             .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
-        Some(live.clone())
+        Some(Peeked::of(live, fingerprint, now))
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -471,10 +471,12 @@ mod tests {
     async fn peek_finds_only_the_live_job_of_the_same_owner_and_key() {
         let store = MemoryStore::new(POLICY);
         let now = crate::clock::now();
-        let peek = |owner, key, at| store.peek(&identity(owner, key), at);
+        let peek = |owner, key, at| store.peek(&identity(owner, key), at, "fp");
         assert!(peek("owner", "key-1", now).is_none());
         store.claim(record(1, now), now).await.unwrap();
-        let found = peek("owner", "key-1", now).expect("the live job");
+        let Some(Peeked::Record(found)) = peek("owner", "key-1", now) else {
+            panic!("the live job, in progress, whole");
+        };
         assert_eq!(found.job.id, "job_000001");
         assert!(peek("other", "key-1", now).is_none(), "another owner");
         assert!(peek("owner", "key-2", now).is_none(), "another key");
@@ -485,6 +487,49 @@ mod tests {
         again.job.key = "key-1".into();
         let claimed = store.claim(again, later).await.unwrap();
         assert!(matches!(claimed, Claim::Created(r) if r.job.id == "job_000002"));
+    }
+
+    /// A succeeded job comes as its answer to a request of the same fingerprint, and whole
+    /// to one of another (a conflict, for the engine to refuse).
+    #[tokio::test]
+    async fn peek_gives_a_succeeded_job_as_its_answer() {
+        let store = MemoryStore::new(POLICY);
+        let now = crate::clock::now();
+        store.claim(record(3, now), now).await.unwrap();
+        let start = Transition::StartAttempt {
+            version: 1,
+            n: 1,
+            provider: "primary".into(),
+        };
+        store.apply("job_000003", start, now).await.unwrap();
+        let answer = crate::job::StoredResponse {
+            status: 200,
+            headers: crate::job::Headers::from_pairs([("content-type", &b"application/json"[..])]),
+            body: bytes::Bytes::from_static(b"{\"ok\":true}"),
+            body_omitted: false,
+        };
+        let complete = Transition::Complete {
+            n: 1,
+            response: answer.clone(),
+        };
+        store.apply("job_000003", complete, now).await.unwrap();
+        let key = identity("owner", "key-3");
+        let Some(Peeked::Settled(settled)) = store.peek(&key, now, "fp") else {
+            panic!("the answer of a succeeded job");
+        };
+        assert_eq!(
+            (
+                settled.job_id.as_str(),
+                settled.n,
+                settled.provider.as_str()
+            ),
+            ("job_000003", 1, "primary")
+        );
+        assert_eq!(settled.response, answer);
+        let Some(Peeked::Record(other)) = store.peek(&key, now, "another payload") else {
+            panic!("the record, for a conflict");
+        };
+        assert_eq!(other.job.state, JobState::Succeeded);
     }
 
     /// A tick removes every job that is due, however many slices that takes, and nothing

@@ -12,7 +12,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use crate::config::{StoreConfig, StoreKind};
-use crate::job::{Effect, ExpiryPolicy, JobId, JobRecord, JobState, Rejection, Transition};
+use crate::job::{
+    Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState, Rejection, Settled, Transition,
+};
 
 pub mod embedded;
 pub mod memory;
@@ -64,6 +66,27 @@ pub struct Applied {
     pub record: JobRecord,
 }
 
+/// What [`JobStore::peek`] found.
+#[derive(Debug)]
+pub enum Peeked {
+    /// The job succeeded with the same fingerprint: its answer, for a replay.
+    Settled(Settled),
+    /// Any other live job, whole, for the engine to resolve.
+    Record(JobRecord),
+}
+
+impl Peeked {
+    /// What a peek at `live` gives a request of `fingerprint`.
+    pub fn of(live: &JobRecord, fingerprint: &str, now: SystemTime) -> Self {
+        match live.classify(fingerprint, now) {
+            Found::Replay => live
+                .settled()
+                .map_or_else(|| Self::Record(live.clone()), Self::Settled),
+            _ => Self::Record(live.clone()),
+        }
+    }
+}
+
 #[async_trait]
 pub trait JobStore: Send + Sync + Debug + 'static {
     /// Creates `record` as the job of its (owner, key) unless a live job already holds
@@ -75,7 +98,11 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     /// retry skip minting a new job (a fresh id, its first attempt) only for its claim to
     /// find the stored one. `None` means "claim to find out", which is always right: a
     /// claim returns the live job too.
-    fn peek(&self, _identity: &[u8; 32], _now: SystemTime) -> Option<JobRecord> {
+    ///
+    /// A succeeded job of the same `fingerprint` comes as its [`Settled`] answer, taken in
+    /// place: a replay needs nothing else, and a copy of the whole record was most of the
+    /// allocations of a replay.
+    fn peek(&self, _identity: &[u8; 32], _now: SystemTime, _fingerprint: &str) -> Option<Peeked> {
         None
     }
 

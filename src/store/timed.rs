@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
-use super::{Applied, Claim, JobStore, MirroredStream, StoreError, StreamUpdate};
+use super::{Applied, Claim, JobStore, MirroredStream, Peeked, StoreError, StreamUpdate};
 use crate::job::{JobId, JobRecord, JobState, Transition};
 
 #[derive(Debug)]
@@ -44,8 +44,8 @@ impl JobStore for Timed {
             .await
     }
 
-    fn peek(&self, identity: &[u8; 32], now: SystemTime) -> Option<JobRecord> {
-        self.inner.peek(identity, now)
+    fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
+        self.inner.peek(identity, now, fingerprint)
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
