@@ -419,9 +419,8 @@ impl Problem {
             detail: &self.detail,
             job_id: self.job_id.as_deref(),
             request_id: REQUEST_ID
-                .try_with(|id| id.to_str().map(str::to_owned).ok())
-                .ok()
-                .flatten(),
+                .try_with(|id| id.to_str().unwrap_or_default().to_owned())
+                .ok(),
             error: SdkError {
                 message: &self.detail,
                 kind: self.kind.slug(),

@@ -647,7 +647,6 @@ fn next_ordinal(record: &JobRecord) -> u32 {
     record.attempts.last().map_or(1, |a| a.n + 1)
 }
 
-/// A settled job's stored answer, or why there is none to give.
 /// A settled job's answer, replayed.
 fn replayed(settled: Settled) -> Outcome {
     Outcome::Answer {
@@ -659,6 +658,7 @@ fn replayed(settled: Settled) -> Outcome {
     }
 }
 
+/// A settled job's stored answer, or why there is none to give.
 fn replay(record: JobRecord) -> Outcome {
     let JobRecord { job, attempts } = record;
     // Moved out, not cloned: a stored answer's headers are a string each.
