@@ -660,28 +660,14 @@ fn replayed(settled: Settled) -> Outcome {
 
 /// A settled job's stored answer, or why there is none to give.
 fn replay(record: JobRecord) -> Outcome {
-    let JobRecord { job, attempts } = record;
-    // Moved out, not cloned: a stored answer's headers are a string each.
-    let Some(response) = job.response else {
-        return Outcome::refused(
-            &job.id,
-            Cause::Internal("a settled job has no stored answer".into()),
-        );
+    if let Some(settled) = record.settled() {
+        return replayed(settled);
+    }
+    let cause = match &record.job.response {
+        Some(response) if response.body_omitted => Cause::NotStored,
+        _ => Cause::Internal("a settled job has no stored answer".into()),
     };
-    if response.body_omitted {
-        return Outcome::refused(&job.id, Cause::NotStored);
-    }
-    let (n, provider) = job
-        .completed_by
-        .and_then(|n| attempts.into_iter().find(|a| a.n == n))
-        .map_or((0, String::new()), |a| (a.n, a.provider));
-    Outcome::Answer {
-        job_id: Some(job.id),
-        response,
-        n,
-        provider,
-        replayed: true,
-    }
+    Outcome::refused(&record.job.id, cause)
 }
 
 #[cfg(test)]
