@@ -258,8 +258,6 @@ fn quoted(token: &str) -> Vec<u8> {
     out
 }
 
-/// One code point of a canonical string: `"`, `\` and control characters escaped, lone
-/// surrogates as `\udxxx`, everything else as UTF-8.
 /// Where the run of bytes a JSON string can hold as they are ends: the index of the first
 /// quote, backslash or control character, `None` when there is none. Most of a chat body is
 /// message text, so this scan is most of the parse; it tests eight bytes at a time with
@@ -291,6 +289,8 @@ fn plain_run(bytes: &[u8]) -> Option<usize> {
         .map(|i| at + i)
 }
 
+/// One code point of a canonical string: `"`, `\` and control characters escaped, lone
+/// surrogates as `\udxxx`, everything else as UTF-8.
 fn push_code_point(out: &mut Vec<u8>, c: u32) {
     match c {
         0x22 => out.extend_from_slice(b"\\\""),
