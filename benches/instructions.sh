@@ -7,6 +7,7 @@
 #     STORE=embedded benches/instructions.sh
 #     STORE=embedded CONNS=32 benches/instructions.sh   # group commits of many operations
 #     STORE=redis benches/instructions.sh      # a redis-server of its own, on a free port
+#     STORE=floor benches/instructions.sh      # examples/floor_proxy.rs's bare idempotent path
 #
 # Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
 # thread, 4 connections, or CONNS); the difference of the two totals over the difference of their
@@ -27,10 +28,11 @@ LONG="${LONG:-8}"
 need wrk wrk
 need valgrind valgrind
 
-cargo build -q --release --bin idemgate --example mock_provider
+cargo build -q --release --bin idemgate --example mock_provider --example floor_proxy
 target_dir="${CARGO_TARGET_DIR:-target}"
 gateway_bin="$target_dir/release/idemgate"
 provider_bin="$target_dir/release/examples/mock_provider"
+floor_bin="$target_dir/release/examples/floor_proxy"
 
 keep="${KEEP:-$work}"
 mkdir -p "$keep"
@@ -62,11 +64,16 @@ path = \"$work/ir-$RANDOM.db\"" ;;
     redis) table="kind = \"redis\"
 url = \"redis://127.0.0.1:$redis_port\"
 key_prefix = \"ir$RANDOM\"" ;;
-    *) echo "STORE is memory, embedded or redis" >&2; exit 2 ;;
+    floor) table='kind = "memory"' ;; # unused: the floor has no config
+    *) echo "STORE is memory, embedded, redis or floor" >&2; exit 2 ;;
   esac
+  local command=("$gateway_bin" --config "$work/gw.toml")
+  if [[ "$STORE" == floor ]]; then
+    command=("$floor_bin" "127.0.0.1:$port" "127.0.0.1:$provider_port" idempotent)
+  fi
   gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \
-    "$gateway_bin" --config "$work/gw.toml" >"$work/gw.log" 2>&1 &
+    "${command[@]}" >"$work/gw.log" 2>&1 &
   gw=$!
   wait_port "$port"
   result="$(KEY_MODE="$mode" KEY_PREFIX="ir$RANDOM$RANDOM" \

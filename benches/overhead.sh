@@ -24,10 +24,11 @@ need wrk wrk
 need nginx nginx
 need redis-server redis-server
 
-cargo build -q --release --bin idemgate --example mock_provider
+cargo build -q --release --bin idemgate --example mock_provider --example floor_proxy
 target_dir="${CARGO_TARGET_DIR:-target}"
 gateway_bin="$target_dir/release/idemgate"
 provider_bin="$target_dir/release/examples/mock_provider"
+floor_bin="$target_dir/release/examples/floor_proxy"
 
 cpu_ticks() {
   # "user system" of the process and its waited-for children, in clock ticks.
@@ -143,6 +144,29 @@ pids+=($nginx_pid)
 wait_port "$nginx_port"
 measure "nginx proxy_pass + access log" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
 kill "$nginx_pid"
+
+# The floor (examples/floor_proxy.rs): the gateway's own stack (tokio on one core, hyper's
+# server and pooled client, mimalloc, SHA-256) with nothing on it but forwarding, then the
+# bare idempotent path. What nginx costs against it is the stack's; what the gateway costs
+# above it is the gateway's.
+floor() {
+  local mode="$1" port pid
+  port="$(free_port)"
+  taskset -c 1 "$floor_bin" "127.0.0.1:$port" "127.0.0.1:$provider_port" "$mode" &
+  pid=$!
+  pids+=($pid)
+  wait_port "$port"
+  if [[ "$mode" == pass ]]; then
+    measure "floor: hyper pass-through" "http://127.0.0.1:$port/v1/chat/completions" none "$pid"
+  else
+    measure "floor: bare idempotency, new job" "http://127.0.0.1:$port/v1/chat/completions" fresh "$pid"
+    measure "floor: bare idempotency, replay" "http://127.0.0.1:$port/v1/chat/completions" fixed "$pid"
+  fi
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+}
+floor pass
+floor idempotent
 
 redis_port=""
 if [[ " $STORES " == *" redis "* ]]; then
@@ -319,6 +343,11 @@ END {
   if ((i = find("new job, memory, 16 KiB")) && (j = find("nginx proxy_pass, 16 KiB"))) {
     printf "16 KiB request (no target): a new job %.2f × nginx'"'"'s CPU for the same body (%.1f µs more per request than with the fixture), a replay %.2f ×\n",
       cpu[i] / cpu[j], cpu[i] - cpu[memory], cpu[find("replay, memory, 16 KiB")] / cpu[j]
+  }
+  if ((i = find("floor: hyper pass-through")) && (j = find("floor: bare idempotency, new job")) && (k = find("floor: bare idempotency, replay"))) {
+    printf "floor (no target): this stack passing requests through costs %.2f × nginx'"'"'s CPU, with bare idempotency a new job %.2f × and a replay %.2f ×", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], cpu[k] / cpu[nginx]
+    if (memory) printf "; the gateway'"'"'s new job on the memory store is %.2f × the floor'"'"'s, its replay %.2f ×", cpu[memory] / cpu[j], cpu[find("replay, memory")] / cpu[k]
+    printf "\n"
   }
   if ((i = find("new job, redis"))) {
     if (rt != "") {
