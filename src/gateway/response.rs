@@ -83,7 +83,7 @@ fn answer(
         headers.insert(headers::JOB_ID, id);
     }
     if let Some((n, provider)) = attempt {
-        headers.insert(headers::ATTEMPT, HeaderValue::from(n));
+        headers.insert(headers::ATTEMPT, attempt_value(n));
         if let Ok(provider) = HeaderValue::from_str(provider) {
             headers.insert(headers::PROVIDER, provider);
         }
@@ -93,4 +93,31 @@ fn answer(
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
     response
+}
+
+/// An attempt's ordinal as a header value. Nearly every answer comes from attempt 1 to 9,
+/// and those are static: `HeaderValue::from(n)` formats into a buffer of its own, two
+/// allocations on every answer and replay.
+fn attempt_value(n: u32) -> HeaderValue {
+    const ORDINALS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match ORDINALS.get(n as usize) {
+        Some(text) => HeaderValue::from_static(text),
+        None => HeaderValue::from(n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attempt_ordinal_is_written_in_decimal() {
+        for n in (0..=12).chain([99, 100, 12_345, u32::MAX]) {
+            assert_eq!(
+                attempt_value(n).to_str().unwrap(),
+                n.to_string(),
+                "attempt {n}"
+            );
+        }
+    }
 }
