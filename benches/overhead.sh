@@ -148,10 +148,10 @@ kill "$nginx_pid"
 # The floor (examples/floor_proxy.rs): the gateway's own stack (tokio on one core, hyper's
 # server and pooled client, mimalloc, SHA-256) with nothing on it but forwarding, then the
 # bare idempotent path. What nginx costs against it is the stack's; what the gateway costs
-# above it is the gateway's. Measured after the gateway: the hundreds of MB its answers
-# take are handed back to the host when it exits, and a process that then grows its heap
-# waits on the host for fresh pages (a memory-store gateway started right after it had a
-# p99 at 32 clients of 23-28 ms, against 2.5-5 ms otherwise).
+# above it is the gateway's. Measured after the gateway: a memory-store gateway started
+# right after the floor had exited (and freed the hundreds of MB of its answers) had a p99
+# at 32 clients of 22-28 ms in six runs, against 2.4-5 ms otherwise; most likely the
+# virtual machine's host backing the freed memory anew as the next heap grows.
 floor() {
   local mode="$1" port pid
   port="$(free_port)"
