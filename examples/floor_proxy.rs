@@ -1,5 +1,5 @@
-//! The floor of `benches/overhead.sh`: the least a proxy built on the gateway's own stack
-//! (tokio's one-core scheduler, hyper's server, hyper-util's pooled client, mimalloc,
+//! The floor of `benches/overhead.sh`: about the least a proxy built on the gateway's own
+//! stack (tokio's one-core scheduler, hyper's server, hyper-util's pooled client, mimalloc,
 //! SHA-256) can spend, measured beside the gateway in the same run. It shows how much of
 //! the gateway's cost against nginx belongs to that stack, and how much to the gateway.
 //!
@@ -53,7 +53,15 @@ struct Floor {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let (Some(listen), Some(upstream), Some(mode)) = (args.next(), args.next(), args.next()) else {
+    let (Some(listen), Some(upstream), Some(idempotent)) = (
+        args.next(),
+        args.next(),
+        args.next().and_then(|mode| match mode.as_str() {
+            "pass" => Some(false),
+            "idempotent" => Some(true),
+            _ => None,
+        }),
+    ) else {
         eprintln!("usage: floor_proxy LISTEN UPSTREAM pass|idempotent");
         std::process::exit(2);
     };
@@ -67,7 +75,7 @@ fn main() {
         let floor = Arc::new(Floor {
             upstream,
             client: Client::builder(TokioExecutor::new()).build(connector),
-            idempotent: mode == "idempotent",
+            idempotent,
             jobs: Mutex::default(),
         });
         let listener = TcpListener::bind(&listen).await.expect("bind");
