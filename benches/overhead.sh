@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gateway's cost against nginx proxying the same provider, side by side in one run.
 #
-#     benches/overhead.sh            # about 4 minutes
+#     benches/overhead.sh            # about 4½ minutes
 #     DURATION=4 benches/overhead.sh # shorter runs per row
 #
 # A hyper provider answers the chat fixture at once (examples/mock_provider.rs). Each row
