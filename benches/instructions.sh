@@ -64,14 +64,14 @@ path = \"$work/ir-$RANDOM.db\"" ;;
     redis) table="kind = \"redis\"
 url = \"redis://127.0.0.1:$redis_port\"
 key_prefix = \"ir$RANDOM\"" ;;
-    floor) table='kind = "memory"' ;; # unused: the floor has no config
+    floor) ;;
     *) echo "STORE is memory, embedded, redis or floor" >&2; exit 2 ;;
   esac
-  local command=("$gateway_bin" --config "$work/gw.toml")
-  if [[ "$STORE" == floor ]]; then
-    command=("$floor_bin" "127.0.0.1:$port" "127.0.0.1:$provider_port" idempotent)
+  local command=("$floor_bin" "127.0.0.1:$port" "127.0.0.1:$provider_port" idempotent)
+  if [[ "$STORE" != floor ]]; then
+    gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
+    command=("$gateway_bin" --config "$work/gw.toml")
   fi
-  gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \
     "${command[@]}" >"$work/gw.log" 2>&1 &
   gw=$!
