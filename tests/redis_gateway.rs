@@ -112,6 +112,41 @@ async fn a_new_job_costs_two_round_trips_and_a_replay_one() {
     assert_eq!(scripts_run(&mut c).await, 1);
 }
 
+/// A claim that names a job Redis no longer holds (its hash evicted, or expired first) does
+/// not block the key for the rest of its TTL: the next request takes the claim over with a
+/// new job, and that job's answer is what the key replays from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_job_is_gone_is_taken_over_by_a_new_job() {
+    let server = RedisServer::start().await;
+    let redis = store(&server).await;
+    let (gw, provider) = TestGateway::answering_ok(redis.clone()).await;
+    let first = gw.post(CHAT, Some("k-gone"), chat_request()).await;
+    assert_eq!(first.status, 200);
+
+    let mut c = server.connection().await;
+    let jobs: Vec<String> = redis::cmd("KEYS")
+        .arg("idemgate:{*}:job:*")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    command(&mut c, "DEL", &jobs[0]).await;
+
+    let second = gw.post(CHAT, Some("k-gone"), chat_request()).await;
+    assert_eq!(second.status, 200);
+    assert_eq!(second.header("idempotent-replayed"), Some("false"));
+    assert_ne!(second.job_id(), first.job_id());
+    let third = gw.post(CHAT, Some("k-gone"), chat_request()).await;
+    assert_eq!(third.header("idempotent-replayed"), Some("true"));
+    assert_eq!(third.job_id(), second.job_id());
+    let calls = provider.received_requests().await.unwrap_or_default();
+    assert_eq!(
+        calls.len(),
+        2,
+        "the first job and the one that took its claim over"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_lost_the_scripts_is_sent_them_again_and_runs_each_once() {
     let server = RedisServer::start().await;
