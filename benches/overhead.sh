@@ -247,7 +247,15 @@ for store in $STORES; do
   pids+=($gw)
   wait_port "$port"
   rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
+  if [[ "$store" == redis ]]; then redis-cli -p "$redis_port" config resetstat >/dev/null; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  if [[ "$store" == redis ]]; then
+    # Redis's own time in the store's scripts (claim, settle), which the round trips of the
+    # Redis target leave out: each script is several commands, each a few µs on this host.
+    redis_note="$(redis-cli -p "$redis_port" info commandstats | tr -d '\r' |
+      sed -n 's/^cmdstat_evalsha:calls=\([0-9]*\),usec=\([0-9]*\),.*/\1 \2/p' |
+      awk -v n="$measured_total" '{printf "redis: %.2f scripts per new job, %.1f µs of Redis'"'"'s own time per new job (%.1f µs a script), on the load core", $1 / n, $2 / n, $2 / $1}')"
+  fi
   if [[ "$store" == memory ]]; then
     rss_after="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
     memory_note="memory store: $(( (rss_after - rss_before) * 1024 / measured_total )) bytes of RSS per stored job ($measured_total jobs, $(wc -c < tests/fixtures/openai-chat-completion.json)-byte answer)"
@@ -386,3 +394,4 @@ END {
     if (scattered != "") printf "disk: fdatasync of one 4 KiB page %d µs; of 19 scattered pages (about one embedded group commit) %d µs; of 19 side by side %d µs\n", fsync, scattered, contiguous
   }
 }' < <(printf '%s\n' "${rows[@]}")
+if [[ -n "${redis_note:-}" ]]; then echo "$redis_note"; fi
