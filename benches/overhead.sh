@@ -77,22 +77,27 @@ run_wrk() {
 field() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$2"; }
 
 rows=()
-# measure NAME URL KEY_MODE PID: a warm-up, the c32 run with CPU accounting, the c1 run.
+# measure NAME URL KEY_MODE PID: a warm-up, the c32 run and the c1 run, each with CPU
+# accounting.
 measure() {
   local name="$1" url="$2" mode="$3" pid="$4"
-  local user0 sys0 user1 sys1 c32 c1 warm
+  local user0 sys0 user1 sys1 user2 sys2 c32 c1 warm
   warm="$(run_wrk "$url" "$mode" 32 2)"
   read -r user0 sys0 < <(cpu_ticks "$pid")
   c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
   read -r user1 sys1 < <(cpu_ticks "$pid")
   c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
+  read -r user2 sys2 < <(cpu_ticks "$pid")
   local requests per_request user sys
   requests="$(field requests "$c32")"
   measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
-  per_request() { awk -v t="$1" -v hz="$hz" -v n="$requests" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}'; }
-  user="$(per_request $((user1 - user0)))"
-  sys="$(per_request $((sys1 - sys0)))"
-  rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys")
+  per_request() { awk -v t="$1" -v hz="$hz" -v n="$2" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}'; }
+  user="$(per_request $((user1 - user0)) "$requests")"
+  sys="$(per_request $((sys1 - sys0)) "$requests")"
+  # At one client the process sleeps between requests and each wakes it twice (a request, an
+  # answer): what that costs shows in the CPU per request at c1 against that at c32.
+  c1_cpu="$(per_request $((user2 - user1 + sys2 - sys1)) "$(field requests "$c1")")"
+  rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys|$c1_cpu")
   echo "measured: $name" >&2
 }
 
@@ -339,11 +344,11 @@ fi
 awk -F'|' -v direct="${rows[0]}" -v nginx="${rows[1]}" '
 BEGIN {
   split(direct, d, "|"); split(nginx, n, "|")
-  printf "%-38s %10s %12s %9s %10s %10s %12s %9s %7s\n", "system", "CPU µs/req", "user+sys", "× nginx", "req/s", "p99 @c32", "added p50@c1", "× direct", "errors"
+  printf "%-38s %10s %12s %9s %10s %10s %12s %9s %7s %11s\n", "system", "CPU µs/req", "user+sys", "× nginx", "req/s", "p99 @c32", "added p50@c1", "× direct", "errors", "CPU µs @c1"
 }
 {
   added = $5 - d[5]
-  printf "%-38s %10.1f %12s %9.2f %10.0f %8.1fms %+10dµs %9.2f %7d\n", $1, $2, sprintf("%.1f+%.1f", $7, $8), ($2 / n[2]), $3, $4 / 1000, added, $3 / d[3], $6
+  printf "%-38s %10.1f %12s %9.2f %10.0f %8.1fms %+10dµs %9.2f %7d %11.1f\n", $1, $2, sprintf("%.1f+%.1f", $7, $8), ($2 / n[2]), $3, $4 / 1000, added, $3 / d[3], $6, $9
 }' < <(printf '%s\n' "${rows[@]}")
 for note in "${memory_note:-}" "${memory_2k_note:-}" "${memory_headers_note:-}"; do
   if [[ -n "$note" ]]; then echo "$note"; fi
@@ -354,7 +359,7 @@ done
 # this kind of machine; the Redis CPU target is 0.8 × that ratio.
 echo
 awk -F'|' -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v scattered="${scattered_p50:-}" -v contiguous="${contiguous_p50:-}" '
-{ name[NR] = $1; cpu[NR] = $2; rps[NR] = $3; p99[NR] = $4; p50[NR] = $5; row[$1] = NR }
+{ name[NR] = $1; cpu[NR] = $2; rps[NR] = $3; p99[NR] = $4; p50[NR] = $5; cpu1[NR] = $9; row[$1] = NR }
 function find(pattern,   i) { for (i = 1; i <= NR; i++) if (index(name[i], pattern)) return i; return 0 }
 function verdict(ok) { return ok ? "met" : "not met" }
 END {
@@ -378,6 +383,11 @@ END {
   if ((i = find("floor: hyper pass-through")) && (j = find("floor: bare idempotency, new job")) && (k = find("floor: bare idempotency, replay"))) {
     printf "floor (no target): this stack passing requests through costs %.2f × nginx'"'"'s CPU, with bare idempotency a new job %.2f × and a replay %.2f ×", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], cpu[k] / cpu[nginx]
     if (memory) printf "; the gateway'"'"'s new job on the memory store is %.2f × the floor'"'"'s, its replay %.2f ×", cpu[memory] / cpu[j], cpu[find("replay, memory")] / cpu[k]
+    printf "\n"
+  }
+  if (memory) {
+    printf "one client (no target): CPU per request at c1 against c32, nginx %.1f against %.1f µs (%.2f ×), a new job on the memory store %.1f against %.1f µs (%.2f ×)", cpu1[nginx], cpu[nginx], cpu1[nginx] / cpu[nginx], cpu1[memory], cpu[memory], cpu1[memory] / cpu[memory]
+    if ((j = find("floor: bare idempotency, new job"))) printf ", the floor'"'"'s bare new job %.1f against %.1f µs (%.2f ×)", cpu1[j], cpu[j], cpu1[j] / cpu[j]
     printf "\n"
   }
   if ((i = find("new job, redis"))) {
