@@ -8,6 +8,7 @@
 #     STORE=embedded CONNS=32 benches/instructions.sh   # group commits of many operations
 #     STORE=redis benches/instructions.sh      # a redis-server of its own, on a free port
 #     STORE=floor benches/instructions.sh      # examples/floor_proxy.rs's bare idempotent path
+#     GATEWAY_BIN=target/pgo/release/idemgate benches/instructions.sh   # another build
 #
 # Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
 # thread, 4 connections, or CONNS); the difference of the two totals over the difference of their
@@ -30,7 +31,7 @@ need valgrind valgrind
 
 cargo build -q --release --bin idemgate --example mock_provider --example floor_proxy
 target_dir="${CARGO_TARGET_DIR:-target}"
-gateway_bin="$target_dir/release/idemgate"
+gateway_bin="${GATEWAY_BIN:-$target_dir/release/idemgate}"
 provider_bin="$target_dir/release/examples/mock_provider"
 floor_bin="$target_dir/release/examples/floor_proxy"
 

@@ -3,6 +3,8 @@
 #
 #     benches/overhead.sh            # about 4½ minutes
 #     DURATION=4 benches/overhead.sh # shorter runs per row
+#     PGO_BIN=target/pgo/release/idemgate benches/overhead.sh
+#                                    # also rows for a profile-guided build (scripts/pgo-build.sh)
 #
 # A hyper provider answers the chat fixture at once (examples/mock_provider.rs). Each row
 # drives one system with wrk (1 thread; 32 connections for throughput, CPU and p99; one
@@ -307,6 +309,20 @@ late_result_window = \"1s\"" >"$work/$store-expiring.toml"
   fi
 done
 
+# A profile-guided build of the same code (scripts/pgo-build.sh), on the memory store.
+if [[ -n "${PGO_BIN:-}" ]]; then
+  port="$(free_port)"
+  gateway_config "$port" "$provider_port" 'kind = "memory"' >"$work/pgo.toml"
+  RUST_LOG=warn taskset -c 1 "$PGO_BIN" --config "$work/pgo.toml" >"$work/pgo.log" 2>&1 &
+  gw=$!
+  pids+=($gw)
+  wait_port "$port"
+  measure "idemgate PGO build, new job, memory" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  measure "idemgate PGO build, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+  kill "$gw"
+  wait "$gw" 2>/dev/null || true
+fi
+
 floor pass
 floor idempotent
 
@@ -364,12 +380,12 @@ function find(pattern,   i) { for (i = 1; i <= NR; i++) if (index(name[i], patte
 function verdict(ok) { return ok ? "met" : "not met" }
 END {
   direct = 1; nginx = 2
-  if ((i = find("new job, memory"))) {
+  if ((i = find("idemgate, new job, memory"))) {
     printf "new job, memory: CPU %.2f × nginx (target ≤ 1.5): %s; p99 %.1f ms = %.1f × nginx (target ≤ 2): %s\n",
       cpu[i] / cpu[nginx], verdict(cpu[i] <= 1.5 * cpu[nginx]), p99[i] / 1000, p99[i] / p99[nginx], verdict(p99[i] <= 2 * p99[nginx])
     memory = i
   }
-  if ((i = find("replay, memory"))) {
+  if ((i = find("idemgate, replay, memory"))) {
     printf "replay, memory: CPU %.2f × nginx (target ≤ 0.75): %s; %.2f × the provider'"'"'s req/s (target > 1): %s\n",
       cpu[i] / cpu[nginx], verdict(cpu[i] <= 0.75 * cpu[nginx]), rps[i] / rps[direct], verdict(rps[i] > rps[direct])
   }
@@ -382,8 +398,15 @@ END {
   }
   if ((i = find("floor: hyper pass-through")) && (j = find("floor: bare idempotency, new job")) && (k = find("floor: bare idempotency, replay"))) {
     printf "floor (no target): this stack passing requests through costs %.2f × nginx'"'"'s CPU, with bare idempotency a new job %.2f × and a replay %.2f ×", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], cpu[k] / cpu[nginx]
-    if (memory) printf "; the gateway'"'"'s new job on the memory store is %.2f × the floor'"'"'s, its replay %.2f ×", cpu[memory] / cpu[j], cpu[find("replay, memory")] / cpu[k]
+    if (memory) printf "; the gateway'"'"'s new job on the memory store is %.2f × the floor'"'"'s, its replay %.2f ×", cpu[memory] / cpu[j], cpu[find("idemgate, replay, memory")] / cpu[k]
     printf "\n"
+  }
+  if ((i = find("PGO build, new job")) && (j = find("PGO build, replay"))) {
+    printf "PGO build: new job CPU %.2f × nginx (%.2f × the standard build'"'"'s; target ≤ 1.5): %s; p99 %.1f ms = %.1f × nginx (target ≤ 2): %s; added p50 +%d µs (standard build +%d µs)\n",
+      cpu[i] / cpu[nginx], memory ? cpu[i] / cpu[memory] : 0, verdict(cpu[i] <= 1.5 * cpu[nginx]), p99[i] / 1000, p99[i] / p99[nginx], verdict(p99[i] <= 2 * p99[nginx]), p50[i] - p50[direct], memory ? p50[memory] - p50[direct] : 0
+    k = find("idemgate, replay, memory")
+    printf "PGO build: replay CPU %.2f × nginx (%.2f × the standard build'"'"'s; target ≤ 0.75): %s; %.2f × the provider'"'"'s req/s (target > 1): %s\n",
+      cpu[j] / cpu[nginx], k ? cpu[j] / cpu[k] : 0, verdict(cpu[j] <= 0.75 * cpu[nginx]), rps[j] / rps[direct], verdict(rps[j] > rps[direct])
   }
   if (memory) {
     printf "one client (no target): CPU per request at c1 against c32, nginx %.1f against %.1f µs (%.2f ×), a new job on the memory store %.1f against %.1f µs (%.2f ×)", cpu1[nginx], cpu[nginx], cpu1[nginx] / cpu[nginx], cpu1[memory], cpu[memory], cpu1[memory] / cpu[memory]

@@ -7,6 +7,8 @@
 //! that size, for measuring what a stored job of a given size costs. `ANSWER_HEADERS=openai`
 //! adds the headers OpenAI's API sends with a chat completion (rate limits, request id,
 //! Cloudflare's cookies and ray), since a stored answer keeps every header it came with.
+//! A request that asks to stream (`"stream": true`) is answered with the OpenAI stream
+//! fixture as `text/event-stream`.
 
 use std::convert::Infallible;
 
@@ -19,6 +21,15 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 const ANSWER: &[u8] = include_bytes!("../tests/fixtures/openai-chat-completion.json");
+const STREAM: &[u8] = include_bytes!("../tests/fixtures/openai-chat-stream.sse");
+
+/// Whether a chat request's body asks for a stream, as OpenAI's SDKs write it (with or
+/// without a space after the colon).
+fn asks_to_stream(body: &[u8]) -> bool {
+    [&b"\"stream\":true"[..], b"\"stream\": true"]
+        .iter()
+        .any(|needle| body.windows(needle.len()).any(|w| w == *needle))
+}
 
 /// Headers of a chat completion from `api.openai.com`, with made-up values of the real shapes.
 const OPENAI_HEADERS: &[(&str, &str)] = &[
@@ -86,12 +97,20 @@ fn main() {
                 let service = service_fn(move |request: Request<Incoming>| {
                     let answer = answer.clone();
                     async move {
-                        let _ = request.into_body().collect().await;
+                        let body = match request.into_body().collect().await {
+                            Ok(body) => body.to_bytes(),
+                            Err(_) => Bytes::new(),
+                        };
+                        let (answer, kind) = if asks_to_stream(&body) {
+                            (Bytes::from_static(STREAM), "text/event-stream")
+                        } else {
+                            (answer, "application/json")
+                        };
                         let mut response = hyper::Response::new(Full::new(answer));
                         let headers = response.headers_mut();
                         headers.insert(
                             hyper::header::CONTENT_TYPE,
-                            hyper::header::HeaderValue::from_static("application/json"),
+                            hyper::header::HeaderValue::from_static(kind),
                         );
                         for (name, value) in extra {
                             headers.append(*name, hyper::header::HeaderValue::from_static(value));
