@@ -27,7 +27,10 @@ if [[ ! -x "$profdata" ]]; then
 fi
 
 target_dir="${CARGO_TARGET_DIR:-target}"
-profiles="$work/profiles"
+# A fixed path, so that the instrumented build is reused by the next run. The merged profile
+# is not: a new path each run changes the flags of the final build, so it is always rebuilt
+# with the profile just written.
+profiles="$(realpath -m "$target_dir")/pgo-generate/profiles"
 merged="$work/idemgate.profdata"
 
 echo "building the load's far end and the instrumented gateway" >&2
