@@ -44,8 +44,8 @@ return {1}
 
 /// Writes a transition's result if the record is still at the revision it was computed
 /// from; otherwise returns the current record. An empty blob only checks the revision. The
-/// record (a KB or more once attempts accumulate) is read only when the revision differs,
-/// so an apply that wins, nearly all of them, copies no record into Lua.
+/// record (hundreds of bytes, more as attempts accumulate) is read only when the revision
+/// differs, so an apply that wins, nearly all of them, copies no record into Lua.
 /// The change is published only while someone waits on the job (its `watch` key, KEYS[4],
 /// exists): every gateway receives every publish through its pattern subscription, which
 /// on a lone request cost the gateway a wake-up and Redis a second socket write per job.
