@@ -230,6 +230,19 @@ PY
 )
 fi
 
+# start_gateway BINARY NAME: the gateway with the config $work/NAME.toml (listening on
+# $port) on core 1; sets $gw. stop_gateway ends it.
+start_gateway() {
+  RUST_LOG=warn taskset -c 1 "$1" --config "$work/$2.toml" >"$work/$2.log" 2>&1 &
+  gw=$!
+  pids+=($gw)
+  wait_port "$port"
+}
+stop_gateway() {
+  kill "$gw"
+  wait "$gw" 2>/dev/null || true
+}
+
 # store_table STORE: the [store] table's lines of a gateway on STORE (a new file for embedded).
 store_table() {
   case "$1" in
@@ -249,10 +262,7 @@ for store in $STORES; do
   sync
   port="$(free_port)"
   gateway_config "$port" "$provider_port" "$(store_table "$store")" >"$work/$store.toml"
-  RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store.toml" >"$work/$store.log" 2>&1 &
-  gw=$!
-  pids+=($gw)
-  wait_port "$port"
+  start_gateway "$gateway_bin" "$store"
   rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
   if [[ "$store" == redis ]]; then redis-cli -p "$redis_port" config resetstat >/dev/null; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
@@ -272,8 +282,7 @@ for store in $STORES; do
     BODY_FILE="$large_body" measure "idemgate, new job, memory, 16 KiB request" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
     BODY_FILE="$large_body" measure "idemgate, replay, memory, 16 KiB request" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
   fi
-  kill "$gw"
-  wait "$gw" 2>/dev/null || true
+  stop_gateway
   # The same with `[log] buffered = true`: every access line still written, in batches when
   # the worker runs out of work instead of one `write` each before the answer.
   if [[ "$store" == memory ]]; then
@@ -281,14 +290,10 @@ for store in $STORES; do
     gateway_config "$port" "$provider_port" "$(store_table "$store")
 [log]
 buffered = true" >"$work/$store-buffered.toml"
-    RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store-buffered.toml" >"$work/$store-buffered.log" 2>&1 &
-    gw=$!
-    pids+=($gw)
-    wait_port "$port"
+    start_gateway "$gateway_bin" "$store-buffered"
     measure "idemgate, new job, memory, buffered log" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
     measure "idemgate, replay, memory, buffered log" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
-    kill "$gw"
-    wait "$gw" 2>/dev/null || true
+    stop_gateway
   fi
   # The same store once retention is reached, as in a gateway that has run longer than its
   # retention: with `retention = "1s"` jobs expire as fast as they are made, and the sweep
@@ -299,13 +304,9 @@ buffered = true" >"$work/$store-buffered.toml"
 [idempotency]
 retention = \"1s\"
 late_result_window = \"1s\"" >"$work/$store-expiring.toml"
-    RUST_LOG=warn taskset -c 1 "$gateway_bin" --config "$work/$store-expiring.toml" >"$work/$store-expiring.log" 2>&1 &
-    gw=$!
-    pids+=($gw)
-    wait_port "$port"
+    start_gateway "$gateway_bin" "$store-expiring"
     measure "idemgate, new job, $store, expiring" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-    kill "$gw"
-    wait "$gw" 2>/dev/null || true
+    stop_gateway
   fi
 done
 
@@ -313,14 +314,10 @@ done
 if [[ -n "${PGO_BIN:-}" ]]; then
   port="$(free_port)"
   gateway_config "$port" "$provider_port" 'kind = "memory"' >"$work/pgo.toml"
-  RUST_LOG=warn taskset -c 1 "$PGO_BIN" --config "$work/pgo.toml" >"$work/pgo.log" 2>&1 &
-  gw=$!
-  pids+=($gw)
-  wait_port "$port"
+  start_gateway "$PGO_BIN" pgo
   measure "idemgate PGO build, new job, memory" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
   measure "idemgate PGO build, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
-  kill "$gw"
-  wait "$gw" 2>/dev/null || true
+  stop_gateway
 fi
 
 floor pass
