@@ -54,10 +54,17 @@ body["stream"] = True
 json.dump(body, open(sys.argv[2], "w"))
 PY
 
-# load URL BODY KEY_MODE CONNECTIONS SECONDS
+# load URL BODY KEY_MODE CONNECTIONS SECONDS: fails unless every request was answered with
+# a success, so that a profile is never trained on a gateway that was refusing requests.
 load() {
-  BODY_FILE="$2" KEY_MODE="$3" KEY_PREFIX="$RANDOM$RANDOM" \
-    wrk -t1 -c"$4" -d"$5s" -s benches/wrk.lua "$1" | grep '^RESULT' >&2
+  local result
+  result="$(BODY_FILE="$2" KEY_MODE="$3" KEY_PREFIX="$RANDOM$RANDOM" \
+    wrk -t1 -c"$4" -d"$5s" -s benches/wrk.lua "$1" | grep '^RESULT')"
+  echo "$result" >&2
+  if [[ "$result" != *" errors=0 "* ]]; then
+    echo "the training load met errors (failed connections or answers other than 2xx)" >&2
+    return 1
+  fi
 }
 
 redis_port="$(free_port)"
