@@ -9,6 +9,7 @@
 #     STORE=redis benches/instructions.sh      # a redis-server of its own, on a free port
 #     STORE=floor benches/instructions.sh      # examples/floor_proxy.rs's bare idempotent path
 #     GATEWAY_BIN=target/pgo/release/idemgate benches/instructions.sh   # another build
+#     ANSWER_HEADERS=openai benches/instructions.sh   # answers with OpenAI's twenty headers
 #
 # Each mode runs the gateway twice under callgrind, with a short and a long wrk load (one
 # thread, 4 connections, or CONNS); the difference of the two totals over the difference of their

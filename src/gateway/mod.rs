@@ -11,6 +11,7 @@
 
 mod body;
 pub mod model;
+mod names;
 mod passthrough;
 mod path;
 mod response;

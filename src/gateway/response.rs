@@ -2,7 +2,7 @@
 //! from the same stored bytes by [`answer`], so they cannot drift apart.
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode};
 
 use crate::body::{self, Body};
 use crate::engine::Outcome;
@@ -72,8 +72,8 @@ fn answer(
     // of grown (and rehashed) on the way through an answer's twenty.
     headers.reserve(stored.headers.len() + 5);
     for (name, value) in stored.headers.iter() {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
+        if let (Some(name), Ok(value)) = (
+            super::names::header_name(name),
             HeaderValue::from_maybe_shared(value),
         ) {
             headers.append(name, value);
