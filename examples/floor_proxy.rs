@@ -65,6 +65,13 @@ fn main() {
         eprintln!("usage: floor_proxy LISTEN UPSTREAM pass|idempotent");
         std::process::exit(2);
     };
+    // As the gateway does (src/main.rs): with transparent huge pages, each 2 MB page of the
+    // growing map is zeroed whole at its first touch, and the floor's new jobs would pay a
+    // kernel share (and hold memory) that the gateway's do not.
+    #[cfg(target_os = "linux")]
+    if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
+        eprintln!("transparent huge pages stay on: {e}");
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
