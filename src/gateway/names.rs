@@ -29,14 +29,15 @@ thread_local! {
 
 /// `name` as a [`HeaderName`], or `None` if it is not a valid header name.
 pub(super) fn header_name(name: &str) -> Option<HeaderName> {
+    if name.len() > LONGEST_KEPT {
+        // Never kept, so not looked for either.
+        return HeaderName::from_bytes(name.as_bytes()).ok();
+    }
     NAMES.with_borrow_mut(|names| {
         if let Some(known) = names.get(name) {
             return Some(known.clone());
         }
         let parsed = HeaderName::from_bytes(name.as_bytes()).ok()?;
-        if name.len() > LONGEST_KEPT {
-            return Some(parsed);
-        }
         if names.len() >= CAPACITY {
             names.clear();
         }
