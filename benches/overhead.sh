@@ -158,7 +158,8 @@ kill "$nginx_pid"
 # above it is the gateway's. Measured after the gateway: a memory-store gateway started
 # right after the floor had exited (and freed the hundreds of MB of its answers) had a p99
 # at 32 clients of 22-28 ms in six runs, against 2.4-5 ms otherwise; most likely the
-# virtual machine's host backing the freed memory anew as the next heap grows.
+# virtual machine's host backing the freed memory anew as the next heap grows (its balloon
+# device reports free pages to the host: /sys/module/page_reporting).
 floor() {
   local mode="$1" port pid
   port="$(free_port)"
