@@ -803,6 +803,11 @@ async fn every_request_is_one_access_log_line_with_its_id() {
             );
         }
         assert_eq!(line["fields"]["path"], CHAT, "the normalised path");
+        let duration = line["fields"]["duration_ms"].to_string();
+        assert!(
+            duration.split('.').nth(1).is_none_or(|d| d.len() <= 3),
+            "milliseconds to the microsecond: {duration}"
+        );
     }
     assert_eq!(fields(0)["request_id"], "req-mine");
     assert_eq!(fields(0)["outcome"], "new");
