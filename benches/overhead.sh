@@ -135,22 +135,27 @@ http {
   }
 }
 CONF
-taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
-pids+=($!)
-nginx_pid=$!
-wait_port "$nginx_port"
-measure "nginx proxy_pass (no idempotency)" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
-BODY_FILE="$large_body" measure "nginx proxy_pass, 16 KiB request" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
-kill "$nginx_pid"
-wait "$nginx_pid" 2>/dev/null || true
+# start_nginx: nginx with that config on core 1, sets $nginx_pid; stop_nginx ends it.
+start_nginx() {
+  taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
+  nginx_pid=$!
+  pids+=($nginx_pid)
+  wait_port "$nginx_port"
+}
+stop_nginx() {
+  kill "$nginx_pid"
+  wait "$nginx_pid" 2>/dev/null || true
+}
+nginx_url="http://127.0.0.1:$nginx_port/v1/chat/completions"
+start_nginx
+measure "nginx proxy_pass (no idempotency)" "$nginx_url" none "$nginx_pid"
+BODY_FILE="$large_body" measure "nginx proxy_pass, 16 KiB request" "$nginx_url" none "$nginx_pid"
+stop_nginx
 # The same with an access log, as the gateway writes one line per request (SPEC §11).
 sed -i "s|access_log off;|access_log $work/nginx/access.log;|" "$work/nginx/nginx.conf"
-taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
-nginx_pid=$!
-pids+=($nginx_pid)
-wait_port "$nginx_port"
-measure "nginx proxy_pass + access log" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
-kill "$nginx_pid"
+start_nginx
+measure "nginx proxy_pass + access log" "$nginx_url" none "$nginx_pid"
+stop_nginx
 
 # The floor (examples/floor_proxy.rs): the gateway's own stack (tokio on one core, hyper's
 # server and pooled client, mimalloc, SHA-256) with nothing on it but forwarding, then the
@@ -328,13 +333,9 @@ floor idempotent
 # binary's CPU per request moved by 10-20 % within minutes on this kind of machine), so every
 # ratio to nginx is taken to the mean of the two, and the drift is printed with the targets.
 sed -i "s|access_log $work/nginx/access.log;|access_log off;|" "$work/nginx/nginx.conf"
-taskset -c 1 nginx -c "$work/nginx/nginx.conf" -p "$work/nginx" &
-nginx_pid=$!
-pids+=($nginx_pid)
-wait_port "$nginx_port"
-measure "nginx proxy_pass, again at the end" "http://127.0.0.1:$nginx_port/v1/chat/completions" none "$nginx_pid"
-kill "$nginx_pid"
-wait "$nginx_pid" 2>/dev/null || true
+start_nginx
+measure "nginx proxy_pass, again at the end" "$nginx_url" none "$nginx_pid"
+stop_nginx
 
 # What one stored job costs with a 2 KB answer, as SPEC's sizing asks, and with the headers
 # OpenAI sends with an answer (a stored answer keeps them all): a provider answering so, a
