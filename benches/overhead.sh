@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gateway's cost against nginx proxying the same provider, side by side in one run.
 #
-#     benches/overhead.sh            # about 4½ minutes
+#     benches/overhead.sh            # about 5 minutes
 #     DURATION=4 benches/overhead.sh # shorter runs per row
 #     PGO_BIN=target/pgo/release/idemgate benches/overhead.sh
 #                                    # also rows for a profile-guided build (scripts/pgo-build.sh)

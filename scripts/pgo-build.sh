@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A profile-guided (PGO) release build of the gateway, for production and for the benches.
 #
-#     scripts/pgo-build.sh      # about 10 minutes on 2 cores; prints the binary's path
+#     scripts/pgo-build.sh      # about 15 minutes on 2 cores; prints the binary's path
 #
 # Builds the gateway instrumented, runs it under a training load (new jobs, replays and
 # streams, at 32 clients and at one, on the memory, embedded and Redis stores, against
