@@ -167,7 +167,7 @@ impl Service<Request<Body>> for AccessLog {
                 route = info.and_then(|i| i.route.as_deref()).unwrap_or(""),
                 status = response.status().as_u16(),
                 // Whole microseconds: `as_secs_f64() * 1000.0` wrote binary fractions such
-                // as `1.5614979999999998`, longer to read and to format.
+                // as `1.5614979999999998`.
                 duration_ms = started.elapsed().as_micros() as f64 / 1000.0,
                 outcome,
                 job_id = header(headers::JOB_ID),
