@@ -5,6 +5,8 @@
 #     DURATION=4 benches/overhead.sh # shorter runs per row
 #     PGO_BIN=target/pgo/release/idemgate benches/overhead.sh
 #                                    # also rows for a profile-guided build (scripts/pgo-build.sh)
+#     BEFORE_BIN=/tmp/idemgate-f6c9344 BEFORE_NAME=f6c9344 benches/overhead.sh
+#                                    # also rows for an earlier build, measured in the same run
 #
 # A hyper provider answers the chat fixture at once (examples/mock_provider.rs). Each row
 # drives one system with wrk (1 thread; 32 connections for throughput, CPU and p99; one
@@ -316,15 +318,18 @@ late_result_window = \"1s\"" >"$work/$store-expiring.toml"
   fi
 done
 
-# A profile-guided build of the same code (scripts/pgo-build.sh), on the memory store.
-if [[ -n "${PGO_BIN:-}" ]]; then
+# Another build on the memory store: a profile-guided build of the same code
+# (scripts/pgo-build.sh) and an earlier commit's, for a before-and-after in one run.
+other_build() {
   port="$(free_port)"
-  gateway_config "$port" "$provider_port" 'kind = "memory"' >"$work/pgo.toml"
-  start_gateway "$PGO_BIN" pgo
-  measure "idemgate PGO build, new job, memory" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-  measure "idemgate PGO build, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+  gateway_config "$port" "$provider_port" 'kind = "memory"' >"$work/$2.toml"
+  start_gateway "$1" "$2"
+  measure "idemgate $3, new job, memory" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  measure "idemgate $3, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
   stop_gateway
-fi
+}
+if [[ -n "${PGO_BIN:-}" ]]; then other_build "$PGO_BIN" pgo "PGO build"; fi
+if [[ -n "${BEFORE_BIN:-}" ]]; then other_build "$BEFORE_BIN" before "before (${BEFORE_NAME:-BEFORE_BIN})"; fi
 
 floor pass
 floor idempotent
@@ -394,7 +399,7 @@ done
 echo
 awk -F'|' -v mean="$nginx_mean" -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v scattered="${scattered_p50:-}" -v contiguous="${contiguous_p50:-}" '
 { name[NR] = $1; cpu[NR] = $2; rps[NR] = $3; p99[NR] = $4; p50[NR] = $5; cpu1[NR] = $9; row[$1] = NR }
-function find(pattern,   i) { for (i = 1; i <= NR; i++) if (index(name[i], pattern)) return i; return 0 }
+function find(pattern, from,   i) { for (i = from ? from : 1; i <= NR; i++) if (index(name[i], pattern)) return i; return 0 }
 function verdict(ok) { return ok ? "met" : "not met" }
 END {
   direct = 1; nginx = 2
@@ -430,6 +435,10 @@ END {
     k = find("idemgate, replay, memory")
     printf "PGO build: replay CPU %.2f × nginx (%.2f × the standard build'"'"'s; target ≤ 0.75): %s; %.2f × the provider'"'"'s req/s (target > 1): %s\n",
       cpu[j] / cpu[nginx], k ? cpu[j] / cpu[k] : 0, verdict(cpu[j] <= 0.75 * cpu[nginx]), rps[j] / rps[direct], verdict(rps[j] > rps[direct])
+  }
+  if ((i = find("idemgate before (")) && (j = find(", replay, memory", i)) && memory) {
+    k = find("idemgate, replay, memory")
+    printf "this build against the one before (no target): a new job %.2f × its CPU, a replay %.2f ×\n", cpu[memory] / cpu[i], cpu[k] / cpu[j]
   }
   if (memory) {
     printf "one client (no target): CPU per request at c1 against c32, nginx %.1f against %.1f µs (%.2f ×), a new job on the memory store %.1f against %.1f µs (%.2f ×)", cpu1[nginx], cpu[nginx], cpu1[nginx] / cpu[nginx], cpu1[memory], cpu[memory], cpu1[memory] / cpu[memory]

@@ -55,6 +55,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::info;
 
+pub mod accesslog;
 pub mod admin;
 pub mod body;
 pub mod breaker;

@@ -66,11 +66,17 @@ where
     }
 }
 
-/// `now` as RFC 3339 with microseconds and a space, as `humantime::format_rfc3339_micros`
-/// writes it. The date and time of day change once a second, so each thread keeps the
-/// second it last formatted and writes only the microseconds anew: the access line is
-/// written once per request, and working out the date went through `fmt` for every one.
 fn write_time(writer: &mut Writer<'_>, now: SystemTime) -> fmt::Result {
+    let text = time_text(now);
+    writer.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)
+}
+
+/// `now` as RFC 3339 with microseconds and a space, as `humantime::format_rfc3339_micros`
+/// writes it (and `tracing-subscriber`'s JSON `timestamp`, without the space). The date and
+/// time of day change once a second, so each thread keeps the second it last formatted and
+/// writes only the microseconds anew: the access line is written once per request, and
+/// working out the date went through `fmt` for every one.
+pub(crate) fn time_text(now: SystemTime) -> [u8; 28] {
     thread_local! {
         static SECOND: Cell<Option<(u64, [u8; 19])>> = const { Cell::new(None) };
     }
@@ -87,14 +93,14 @@ fn write_time(writer: &mut Writer<'_>, now: SystemTime) -> fmt::Result {
             date
         }
     });
+    let mut text = *b"YYYY-MM-DDTHH:MM:SS.000000Z ";
+    text[..19].copy_from_slice(&date);
     let mut micros = since.subsec_micros();
-    let mut tail = *b".000000Z ";
-    for digit in tail[1..7].iter_mut().rev() {
+    for digit in text[20..26].iter_mut().rev() {
         *digit = b'0' + (micros % 10) as u8;
         micros /= 10;
     }
-    writer.write_str(std::str::from_utf8(&date).map_err(|_| fmt::Error)?)?;
-    writer.write_str(std::str::from_utf8(&tail).map_err(|_| fmt::Error)?)
+    text
 }
 
 struct Fields<'a, 'w> {
@@ -123,7 +129,7 @@ impl Fields<'_, '_> {
 }
 
 /// Whether `value` can stand unquoted in a `name=value` list.
-fn plain(value: &str) -> bool {
+pub(crate) fn plain(value: &str) -> bool {
     !value.is_empty()
         && value
             .bytes()

@@ -58,11 +58,14 @@ fn init_logging(log: &idemgate::config::LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
     use std::io::IsTerminal;
+    let sink = idemgate::logsink::Batched::stderr();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         // Colours only for a person at a terminal, never into a log file.
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(idemgate::logsink::Batched::stderr());
+        .with_writer(sink.clone());
+    // The access lines bypass `tracing` into the same sink, in the same format.
+    idemgate::accesslog::install(log.format, sink);
     match log.format {
         idemgate::config::LogFormat::Json => builder.json().init(),
         idemgate::config::LogFormat::Text => {

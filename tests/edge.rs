@@ -884,6 +884,40 @@ async fn buffered_log_lines_are_written_once_the_gateway_runs_out_of_work() {
     assert!(line.contains("outcome=new"), "{line}");
 }
 
+/// The access line is written without `tracing`, but the log's filter still decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_filter_can_turn_the_access_lines_off() {
+    let provider = answering(completion()).await;
+    let dir = tempfile::tempdir().unwrap();
+    for (filter, access_lines) in [("info", 1), ("info,idemgate::access=off", 0), ("warn", 0)] {
+        let (config, port, admin) = process_config(dir.path(), &provider.uri(), "").await;
+        let log_path = dir.path().join("stderr.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let gateway = spawn_gateway_logging(&config, port, admin, filter, Stdio::from(log)).await;
+        let sent = send(
+            &client(),
+            Method::POST,
+            &format!("{}{CHAT}", gateway.base),
+            &[("authorization", "Bearer a"), ("idempotency-key", filter)],
+            chat_request(),
+        )
+        .await;
+        assert_eq!(sent.status, 200);
+        drop(gateway);
+        let text = std::fs::read_to_string(&log_path).unwrap();
+        let written = text
+            .lines()
+            .filter(|l| l.contains("idemgate::access: request"))
+            .count();
+        assert_eq!(written, access_lines, "IDEMGATE_LOG={filter}: {text}");
+        assert_eq!(
+            text.contains("idemgate listening"),
+            filter.starts_with("info"),
+            "the rest of the log as the filter says: {text}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_redis_fails_requests_closed_within_op_timeout() {
     let redis = common::redis_server::RedisServer::start().await;

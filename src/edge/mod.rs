@@ -26,7 +26,6 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
-use tracing::info;
 
 use crate::body::{Body, BoxError};
 use crate::error::{Cause, Problem, REQUEST_ID};
@@ -160,23 +159,20 @@ impl Service<Request<Body>> for AccessLog {
                 (None, Some(kind)) => kind.slug(),
                 (None, None) => "proxied",
             };
-            info!(
-                target: "idemgate::access",
-                method = method.as_str(),
-                path = info.map_or(uri.path(), |i| i.path.as_str()),
-                route = info.and_then(|i| i.route.as_deref()).unwrap_or(""),
-                status = response.status().as_u16(),
-                // Whole microseconds: `as_secs_f64() * 1000.0` wrote binary fractions such
-                // as `1.5614979999999998`.
-                duration_ms = started.elapsed().as_micros() as f64 / 1000.0,
+            crate::accesslog::AccessLine {
+                method: method.as_str(),
+                path: info.map_or(uri.path(), |i| i.path.as_str()),
+                route: info.and_then(|i| i.route.as_deref()).unwrap_or(""),
+                status: response.status().as_u16(),
+                micros: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
                 outcome,
-                job_id = header(headers::JOB_ID),
-                attempt = header(headers::ATTEMPT),
-                provider = header(headers::PROVIDER),
-                replayed = header(headers::REPLAYED),
-                request_id = request_id.to_str().unwrap_or_default(),
-                "request"
-            );
+                job_id: header(headers::JOB_ID),
+                attempt: header(headers::ATTEMPT),
+                provider: header(headers::PROVIDER),
+                replayed: header(headers::REPLAYED),
+                request_id: request_id.to_str().unwrap_or_default(),
+            }
+            .log();
             Ok(response)
         }))
     }
