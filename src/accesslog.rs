@@ -222,26 +222,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'a> MakeWriter<'a> for Captured {
-        type Writer = Captured;
-        fn make_writer(&'a self) -> Self::Writer {
-            self.clone()
-        }
-    }
+    use crate::logline::Captured;
 
     /// The line as the event, through the subscriber `main` sets up for `format`.
     fn through_tracing(line: &AccessLine<'_>, format: LogFormat) -> String {
@@ -259,8 +240,7 @@ mod tests {
                 tracing::subscriber::with_default(builder.json().finish(), || line.event())
             }
         }
-        let bytes = out.0.lock().unwrap().clone();
-        String::from_utf8(bytes).unwrap()
+        out.text()
     }
 
     fn direct(line: &AccessLine<'_>, format: LogFormat) -> String {
