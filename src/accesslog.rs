@@ -78,24 +78,30 @@ impl AccessLine<'_> {
         );
     }
 
-    fn strings(&self) -> [(&'static str, &str); 3] {
+    /// The fields after the message, in the event's order.
+    fn fields(&self) -> [(&'static str, Value<'_>); 11] {
+        use Value::{Millis, Number, Text};
         [
-            ("method", self.method),
-            ("path", self.path),
-            ("route", self.route),
+            ("method", Text(self.method)),
+            ("path", Text(self.path)),
+            ("route", Text(self.route)),
+            ("status", Number(self.status)),
+            ("duration_ms", Millis(self.micros)),
+            ("outcome", Text(self.outcome)),
+            ("job_id", Text(self.job_id)),
+            ("attempt", Text(self.attempt)),
+            ("provider", Text(self.provider)),
+            ("replayed", Text(self.replayed)),
+            ("request_id", Text(self.request_id)),
         ]
     }
+}
 
-    fn more_strings(&self) -> [(&'static str, &str); 6] {
-        [
-            ("outcome", self.outcome),
-            ("job_id", self.job_id),
-            ("attempt", self.attempt),
-            ("provider", self.provider),
-            ("replayed", self.replayed),
-            ("request_id", self.request_id),
-        ]
-    }
+#[derive(Clone, Copy)]
+enum Value<'a> {
+    Text(&'a str),
+    Number(u16),
+    Millis(u64),
 }
 
 #[derive(Debug)]
@@ -109,21 +115,17 @@ impl Direct {
         thread_local! {
             static BUFFER: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(512));
         }
-        let written = BUFFER.try_with(|buffer| {
-            let Ok(mut buffer) = buffer.try_borrow_mut() else {
-                return false;
-            };
+        let write = |buffer: &mut Vec<u8>| {
             buffer.clear();
-            self.render(line, now, &mut buffer);
-            let _ = self.sink.make_writer().write_all(&buffer);
-            true
-        });
+            self.render(line, now, buffer);
+            let _ = self.sink.make_writer().write_all(buffer);
+        };
+        let written =
+            BUFFER.try_with(|buffer| buffer.try_borrow_mut().map(|mut b| write(&mut b)).is_ok());
         if written != Ok(true) {
             // The thread is ending (or, impossibly, writing a line already): a buffer of
             // its own.
-            let mut buffer = Vec::new();
-            self.render(line, now, &mut buffer);
-            let _ = self.sink.make_writer().write_all(&buffer);
+            write(&mut Vec::new());
         }
     }
 
@@ -139,25 +141,20 @@ impl Direct {
 fn text(line: &AccessLine<'_>, now: SystemTime, out: &mut Vec<u8>) {
     out.extend_from_slice(&crate::logline::time_text(now));
     out.extend_from_slice(b" INFO idemgate::access: request");
-    let field = |out: &mut Vec<u8>, name: &str, value: &str| {
+    for (name, value) in line.fields() {
         out.push(b' ');
         out.extend_from_slice(name.as_bytes());
         out.push(b'=');
-        if crate::logline::plain(value) {
-            out.extend_from_slice(value.as_bytes());
-        } else {
-            let _ = write!(out, "{value:?}");
+        match value {
+            Value::Text(text) if crate::logline::plain(text) => {
+                out.extend_from_slice(text.as_bytes());
+            }
+            Value::Text(text) => {
+                let _ = write!(out, "{text:?}");
+            }
+            Value::Number(n) => out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes()),
+            Value::Millis(micros) => millis(micros, false, out),
         }
-    };
-    for (name, value) in line.strings() {
-        field(out, name, value);
-    }
-    out.extend_from_slice(b" status=");
-    out.extend_from_slice(itoa::Buffer::new().format(line.status).as_bytes());
-    out.extend_from_slice(b" duration_ms=");
-    millis(line.micros, false, out);
-    for (name, value) in line.more_strings() {
-        field(out, name, value);
     }
     out.push(b'\n');
 }
@@ -168,22 +165,18 @@ fn json(line: &AccessLine<'_>, now: SystemTime, out: &mut Vec<u8>) {
     out.extend_from_slice(b"{\"timestamp\":\"");
     out.extend_from_slice(&crate::logline::time_text(now)[..27]);
     out.extend_from_slice(b"\",\"level\":\"INFO\",\"fields\":{\"message\":\"request\"");
-    let field = |out: &mut Vec<u8>, name: &str, value: &str| {
+    for (name, value) in line.fields() {
         out.extend_from_slice(b",\"");
         out.extend_from_slice(name.as_bytes());
         out.extend_from_slice(b"\":");
-        // serde_json's escaping, as the JSON format's.
-        let _ = serde_json::to_writer(&mut *out, value);
-    };
-    for (name, value) in line.strings() {
-        field(out, name, value);
-    }
-    out.extend_from_slice(b",\"status\":");
-    out.extend_from_slice(itoa::Buffer::new().format(line.status).as_bytes());
-    out.extend_from_slice(b",\"duration_ms\":");
-    millis(line.micros, true, out);
-    for (name, value) in line.more_strings() {
-        field(out, name, value);
+        match value {
+            // serde_json's escaping, as the JSON format's.
+            Value::Text(text) => {
+                let _ = serde_json::to_writer(&mut *out, text);
+            }
+            Value::Number(n) => out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes()),
+            Value::Millis(micros) => millis(micros, true, out),
+        }
     }
     out.extend_from_slice(b"},\"target\":\"idemgate::access\"}\n");
 }
