@@ -74,7 +74,9 @@ key_prefix = \"ir$RANDOM\"" ;;
     gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
     command=("$gateway_bin" --config "$work/gw.toml")
   fi
-  RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" \
+  # On one core, as benches/overhead.sh pins it: the gateway then runs tokio's one-thread
+  # scheduler (src/main.rs), whose instructions differ from the work-stealing one's.
+  RUST_LOG=warn taskset -c "${GATEWAY_CORE:-1}" valgrind --tool=callgrind --callgrind-out-file="$out" \
     "${command[@]}" >"$work/gw.log" 2>&1 &
   gw=$!
   wait_port "$port"

@@ -351,6 +351,13 @@ impl ClientRequest {
     /// the job id as `Idempotency-Key` so a provider that dedupes can do so too. Hop-by-hop
     /// headers, `Host` and `Content-Length` (recomputed) and the client's own idempotency
     /// key do not cross.
+    /// The client's `Content-Type`, when it is text.
+    pub fn content_type(&self) -> Option<&str> {
+        self.headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+    }
+
     pub fn for_provider(&self, provider: &Provider, job_id: Option<&str>) -> Request<Body> {
         // Built in one pass over the client's headers, in their order, instead of a copy of
         // the whole map with a hashed removal of every name that must not cross.

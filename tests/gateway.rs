@@ -128,6 +128,47 @@ async fn same_key_with_different_body_is_a_conflict_and_reordered_json_is_a_repl
     assert_eq!(view["job"]["version"], 2);
 }
 
+/// Repeats of a replayed request are answered from their bytes; a payload of other bytes
+/// is still fingerprinted, so it is a conflict (or a replay, when only its spelling
+/// differs) however often the first one was repeated before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_replays_still_tell_other_payloads_apart() {
+    let primary = answering(completion()).await;
+    let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
+    let first = gw.post(CHAT, Some("k-repeat"), chat_request()).await;
+    assert_eq!(first.status, 200);
+    for _ in 0..3 {
+        let replay = gw.post(CHAT, Some("k-repeat"), chat_request()).await;
+        assert_eq!(replay.status, 200);
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(
+            (replay.job_id(), &replay.body),
+            (first.job_id(), &first.body)
+        );
+    }
+    let other = Bytes::from(
+        r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Say goodbye."}]}"#,
+    );
+    let conflict = gw.post(CHAT, Some("k-repeat"), other).await;
+    conflict.assert_problem(409, "idempotency-key-reused");
+    let mut respaced = chat_request().to_vec();
+    respaced.insert(1, b' ');
+    let replay = gw.post(CHAT, Some("k-repeat"), respaced.into()).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // The same bytes to another path are another intent.
+    let elsewhere = gw
+        .post(
+            "/v1/chat/completions?stream_options=none",
+            Some("k-repeat"),
+            chat_request(),
+        )
+        .await;
+    elsewhere.assert_problem(409, "idempotency-key-reused");
+    let again = gw.post(CHAT, Some("k-repeat"), chat_request()).await;
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(received(&primary).await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_different_payload_while_the_first_runs_is_reuse_not_in_progress() {
     let mut primary = HeldProvider::start().await;

@@ -35,7 +35,6 @@ use http_body_util::BodyExt;
 use idemgate::body::{self, Body};
 use idemgate::engine::{Outcome, Submission};
 use idemgate::error::Problem;
-use idemgate::intent;
 use idemgate::job::{AttemptState, ExpiryPolicy, JobState};
 use idemgate::store::JobStore;
 use idemgate::upstream::{CallError, ClientRequest, Exchange, Transport, Upstream};
@@ -215,8 +214,6 @@ async fn submit(engine: &Arc<Engine>, owner: &str, key: &str, payload: u8) -> Ou
     let mut headers = http::HeaderMap::new();
     headers.insert("content-type", "application/json".parse().unwrap());
     let config = engine.config();
-    let fingerprint =
-        intent::fingerprint("POST", path, &body, &config.idempotency.fingerprint_ignore);
     let request = ClientRequest::new(
         http::Method::POST,
         path.into(),
@@ -229,7 +226,6 @@ async fn submit(engine: &Arc<Engine>, owner: &str, key: &str, payload: u8) -> Ou
             route: config.routes[0].clone(),
             owner: owner.into(),
             key: Some(key.into()),
-            fingerprint,
             request: Arc::new(request),
         })
         .await

@@ -100,7 +100,8 @@ impl Drop for LateSlot {
     }
 }
 
-/// One intent, as the request path read it.
+/// One intent, as the request path read it. Its fingerprint is the request's, taken by the
+/// engine only when a claim needs it.
 #[derive(Debug)]
 pub struct Submission {
     pub route: Arc<Route>,
@@ -108,7 +109,6 @@ pub struct Submission {
     pub owner: String,
     /// `None` for a keyless request on an `optional` route: attempts, but no job.
     pub key: Option<String>,
-    pub fingerprint: String,
     pub request: Arc<ClientRequest>,
 }
 
@@ -307,7 +307,6 @@ impl Engine {
             route,
             owner,
             key,
-            fingerprint,
             request,
         } = submission;
         let Some(key) = key else {
@@ -316,9 +315,22 @@ impl Engine {
         };
         let now = crate::clock::now();
         let identity = claim_digest_bytes(&owner, &key);
+        // A repeat of a request already replayed is known by its bytes: its body is not
+        // parsed into its canonical form again.
+        let mut digest = None;
+        if let Some((repeat, settled)) = self.store.peek_repeat(&identity, now) {
+            if *digest.insert(request_digest(&request)) == repeat {
+                tracing::Span::current().record("job_id", settled.job_id.as_str());
+                return replayed(settled);
+            }
+        }
+        let fingerprint = self.fingerprint(&request);
         match self.store.peek(&identity, now, &fingerprint) {
             Some(Peeked::Settled(settled)) => {
                 tracing::Span::current().record("job_id", settled.job_id.as_str());
+                let digest = digest.unwrap_or_else(|| request_digest(&request));
+                self.store
+                    .remember_repeat(&identity, &settled.job_id, digest);
                 return replayed(settled);
             }
             Some(Peeked::Record(record)) => {
@@ -379,6 +391,17 @@ impl Engine {
             }
             Claim::Existing(record) => self.existing(route, record, &fingerprint, request).await,
         }
+    }
+
+    /// The fingerprint of a request (SPEC §3 step 5).
+    fn fingerprint(&self, request: &ClientRequest) -> String {
+        crate::intent::fingerprint_of(
+            request.method.as_str(),
+            &request.path_and_query,
+            request.content_type(),
+            &request.body,
+            &self.config.idempotency.fingerprint_ignore,
+        )
     }
 
     /// A submission whose key names a live job, found by its claim or read beforehand.
@@ -645,6 +668,16 @@ impl Drop for RoundRegistration<'_> {
 /// The ordinal of a job's next attempt.
 fn next_ordinal(record: &JobRecord) -> u32 {
     record.attempts.last().map_or(1, |a| a.n + 1)
+}
+
+/// [`crate::intent::request_digest`] of a client's request.
+fn request_digest(request: &ClientRequest) -> [u8; 32] {
+    crate::intent::request_digest(
+        request.method.as_str(),
+        &request.path_and_query,
+        request.content_type(),
+        &request.body,
+    )
 }
 
 /// A settled job's answer, replayed.

@@ -88,7 +88,6 @@ async fn submit(engine: &Arc<Engine>, key: &str) -> Outcome {
             route: config.routes[0].clone(),
             owner: "owner".into(),
             key: Some(key.into()),
-            fingerprint: "fp".into(),
             request: Arc::new(request),
         })
         .await

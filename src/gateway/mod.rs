@@ -194,19 +194,6 @@ impl Gateway {
             });
         }
         let bytes = body.read(&parts).await?;
-        let fingerprint = match key {
-            Some(_) => intent::fingerprint_of(
-                parts.method.as_str(),
-                &path_and_query,
-                parts
-                    .headers
-                    .get(http::header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok()),
-                &bytes,
-                &idem.fingerprint_ignore,
-            ),
-            None => String::new(),
-        };
         let mut request = ClientRequest::new(
             parts.method,
             path_and_query,
@@ -219,7 +206,6 @@ impl Gateway {
             route,
             owner,
             key,
-            fingerprint,
             request: Arc::new(request),
         };
         let outcome = self.engine.submit(submission).await;

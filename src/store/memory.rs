@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{Applied, Changes, Claim, JobStore, Peeked, StoreError};
-use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, Transition};
+use crate::job::{ClaimRule, ExpiryPolicy, Found, JobId, JobRecord, JobState, Settled, Transition};
 
 #[derive(Debug)]
 pub struct MemoryStore {
@@ -32,12 +32,21 @@ struct State {
     /// The (owner, key) digest → job id: the identity index the claim is atomic over, keyed
     /// as the Redis store keys its claims (`job::claim_digest`), so that it holds no second
     /// copy of the owner and key the record holds already.
-    by_key: Sharded<[u8; 32], Id>,
+    by_key: Sharded<[u8; 32], Claimed>,
     jobs: Sharded<Id, Box<JobRecord>>,
     in_progress: BTreeSet<Id>,
     unknown: BTreeSet<Id>,
     /// (expires_at, id), soonest first: the expiry sweep takes from the front.
     expiry: BTreeSet<(SystemTime, Id)>,
+}
+
+/// What the identity index holds for an (owner, key): its job, and the request digest of
+/// the last request its answer was replayed for (`JobStore::peek_repeat`). Reset with the
+/// entry when another job takes the identity, so a digest never outlives its job.
+#[derive(Debug)]
+struct Claimed {
+    id: Id,
+    repeat: Option<[u8; 32]>,
 }
 
 /// A hash map split into 64 by key hash, each part growing on its own, so a resize moves
@@ -144,7 +153,13 @@ impl State {
     /// Stores `record` under its identity, the digest of its (owner, key).
     fn insert(&mut self, identity: [u8; 32], record: JobRecord) {
         let id: Id = record.job.id.as_str().into();
-        self.by_key.insert(identity, id.clone());
+        self.by_key.insert(
+            identity,
+            Claimed {
+                id: id.clone(),
+                repeat: None,
+            },
+        );
         self.reindex(&id, None, Some(Indexed::of(&record)));
         self.jobs.insert(id, Box::new(record));
     }
@@ -274,7 +289,7 @@ impl JobStore for MemoryStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
         let index = identity(&record.job.owner, &record.job.key);
         let mut state = self.lock();
-        if let Some(id) = state.by_key.get(&index).cloned() {
+        if let Some(id) = state.by_key.get(&index).map(|c| c.id.clone()) {
             let existing = state.jobs.get(&id).map(|r| &**r);
             match JobRecord::claim_rule(existing, now) {
                 ClaimRule::Keep => {
@@ -292,10 +307,35 @@ impl JobStore for MemoryStore {
         let live = state
             .by_key
             .get(identity)
-            .and_then(|id| state.jobs.get(id))
+            .and_then(|c| state.jobs.get(&c.id))
             .map(|r| &**r)
             .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
         Some(Peeked::of(live, fingerprint, now))
+    }
+
+    fn peek_repeat(&self, identity: &[u8; 32], now: SystemTime) -> Option<([u8; 32], Settled)> {
+        let state = self.lock();
+        let claimed = state.by_key.get(identity)?;
+        let repeat = claimed.repeat?;
+        let live = state
+            .jobs
+            .get(&claimed.id)
+            .map(|r| &**r)
+            .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
+        // What a request of the job's own fingerprint would be given, and only a replay.
+        match live.classify(&live.job.fingerprint, now) {
+            Found::Replay => Some((repeat, live.settled()?)),
+            _ => None,
+        }
+    }
+
+    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
+        let mut state = self.lock();
+        if let Some(claimed) = state.by_key.get_mut(identity) {
+            if &*claimed.id == job_id {
+                claimed.repeat = Some(repeat);
+            }
+        }
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -381,7 +421,7 @@ impl JobStore for MemoryStore {
         Ok(state
             .by_key
             .get(&index)
-            .and_then(|id| state.jobs.get(id))
+            .and_then(|c| state.jobs.get(&c.id))
             .map(|r| (**r).clone()))
     }
 
@@ -445,7 +485,7 @@ mod tests {
         let by_key = state
             .by_key
             .get(&identity(&record.job.owner, &record.job.key));
-        assert_eq!(by_key.map(|id| &**id), Some(id));
+        assert_eq!(by_key.map(|c| &*c.id), Some(id));
     }
 
     #[tokio::test]
@@ -530,6 +570,65 @@ mod tests {
             panic!("the record, for a conflict");
         };
         assert_eq!(other.job.state, JobState::Succeeded);
+    }
+
+    /// A request digest is given back only for the job it was checked against, only while
+    /// that job is one a replay would answer from, and never for the job that takes the
+    /// identity after it expired.
+    #[tokio::test]
+    async fn a_remembered_repeat_belongs_to_its_job_alone() {
+        let store = MemoryStore::new(POLICY);
+        let now = crate::clock::now();
+        let key = identity("owner", "key-4");
+        store.claim(record(4, now), now).await.unwrap();
+        store.remember_repeat(&key, "job_000004", [7; 32]);
+        assert!(
+            store.peek_repeat(&key, now).is_none(),
+            "an in-progress job has no answer to repeat"
+        );
+        let start = Transition::StartAttempt {
+            version: 1,
+            n: 1,
+            provider: "primary".into(),
+        };
+        store.apply("job_000004", start, now).await.unwrap();
+        let complete = Transition::Complete {
+            n: 1,
+            response: crate::job::StoredResponse {
+                status: 200,
+                headers: crate::job::Headers::default(),
+                body: bytes::Bytes::from_static(b"{}"),
+                body_omitted: false,
+            },
+        };
+        store.apply("job_000004", complete, now).await.unwrap();
+        let (repeat, settled) = store
+            .peek_repeat(&key, now)
+            .expect("a succeeded job's answer");
+        assert_eq!((repeat, settled.job_id.as_str()), ([7; 32], "job_000004"));
+        store.remember_repeat(&key, "job_999999", [8; 32]);
+        assert_eq!(
+            store.peek_repeat(&key, now).map(|(r, _)| r),
+            Some([7; 32]),
+            "another job's digest is not taken"
+        );
+        assert!(store
+            .peek_repeat(&identity("other", "key-4"), now)
+            .is_none());
+
+        let later = now + Duration::from_secs(86_400);
+        assert!(
+            store.peek_repeat(&key, later).is_none(),
+            "an expired job is not repeated"
+        );
+        let mut again = record(5, later);
+        again.job.key = "key-4".into();
+        store.claim(again, later).await.unwrap();
+        assert!(store
+            .lock()
+            .by_key
+            .get(&key)
+            .is_some_and(|c| c.repeat.is_none()));
     }
 
     /// A tick removes every job that is due, however many slices that takes, and nothing

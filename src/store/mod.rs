@@ -106,6 +106,20 @@ pub trait JobStore: Send + Sync + Debug + 'static {
         None
     }
 
+    /// Where the store reads in memory as [`JobStore::peek`] does: the answer of the live job
+    /// of `identity` if it is one a replay would give, with the
+    /// [`crate::intent::request_digest`] of the request it was last replayed for (kept by
+    /// [`JobStore::remember_repeat`]). A request of that digest is byte for byte that one,
+    /// so of the job's fingerprint, and is answered without being fingerprinted again.
+    fn peek_repeat(&self, _identity: &[u8; 32], _now: SystemTime) -> Option<([u8; 32], Settled)> {
+        None
+    }
+
+    /// Notes that `job_id`, the job of `identity`, was replayed for a request of digest
+    /// `repeat`, for [`JobStore::peek_repeat`]. Nothing is noted if `identity` names another
+    /// job by now: a digest vouches only for the job whose fingerprint it was checked against.
+    fn remember_repeat(&self, _identity: &[u8; 32], _job_id: &str, _repeat: [u8; 32]) {}
+
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError>;
 
     /// Applies one transition atomically; [`StoreError::NotFound`] if the job is gone.

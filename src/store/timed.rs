@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{Applied, Claim, JobStore, MirroredStream, Peeked, StoreError, StreamUpdate};
-use crate::job::{JobId, JobRecord, JobState, Transition};
+use crate::job::{JobId, JobRecord, JobState, Settled, Transition};
 
 #[derive(Debug)]
 pub struct Timed {
@@ -46,6 +46,14 @@ impl JobStore for Timed {
 
     fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
         self.inner.peek(identity, now, fingerprint)
+    }
+
+    fn peek_repeat(&self, identity: &[u8; 32], now: SystemTime) -> Option<([u8; 32], Settled)> {
+        self.inner.peek_repeat(identity, now)
+    }
+
+    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
+        self.inner.remember_repeat(identity, job_id, repeat);
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
