@@ -32,7 +32,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: idemgate::alloc::Allocator = idemgate::alloc::Allocator;
 
 type Body = UnsyncBoxBody<Bytes, hyper::Error>;
 

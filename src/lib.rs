@@ -9,10 +9,10 @@
 //!        │                               │
 //!   gateway (HTTP request path)          │
 //!     reads route, owner, key,           │
-//!     body, fingerprint (intent)         │
+//!     body (intent)                      │
 //!        │  Submission ─▶ Outcome        │
 //!        ▼                               ▼
-//!   engine ── claims, waits, replays, re-opens; runs rounds
+//!   engine ── fingerprints, claims, waits, replays, re-opens; runs rounds
 //!     ├─ round ─ attempt ─ relay         (SPEC §4, §5)
 //!     ├─ store (JobStore) ─ job (pure state machine, SPEC §2)
 //!     ├─ upstream (Transport)   ├─ breaker   ├─ probe ─ contract
@@ -43,6 +43,7 @@
 //! - [`metrics`]: the Prometheus metrics.
 //! - [`error`]: every gateway error, from a typed cause to `application/problem+json` (SPEC §7).
 //! - `server`: the hyper accept loop with graceful shutdown.
+//! - [`alloc`]: the binary's global allocator, mimalloc.
 //!
 //! [`start`] binds both listeners and returns a [`Running`] gateway; [`run`] serves until a
 //! shutdown future resolves. Tests start gateways in-process on port 0.
@@ -57,6 +58,7 @@ use tracing::info;
 
 pub mod accesslog;
 pub mod admin;
+pub mod alloc;
 pub mod body;
 pub mod breaker;
 pub mod clock;

@@ -8,9 +8,10 @@ use clap::{Parser, Subcommand};
 /// mimalloc rather than the system allocator: a request allocates and frees many small
 /// buffers across tasks, and glibc's malloc spent about a sixth of a new job's CPU time
 /// in its own bookkeeping (consolidation, unlinking, growing a thread's heap with
-/// `mprotect`) in the in-process profile of `benches/overhead.sh`.
+/// `mprotect`) in the in-process profile of `benches/overhead.sh`. Through its plain
+/// functions where a layout allows ([`idemgate::alloc`]).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: idemgate::alloc::Allocator = idemgate::alloc::Allocator;
 
 #[derive(Parser, Debug)]
 #[command(
