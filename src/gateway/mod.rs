@@ -1,6 +1,6 @@
 //! The HTTP request path of SPEC §3, as a thin adapter over the [`Engine`]: route, owner,
-//! key, body and fingerprint are read from the request; the engine claims and carries out
-//! the job; its [`crate::engine::Outcome`] becomes the response.
+//! key and body are read from the request; the engine fingerprints it, claims and carries
+//! out the job; its [`crate::engine::Outcome`] becomes the response.
 //!
 //! - this module: reading the intent of a request;
 //! - `path`: the one spelling of a method and path that routing and fingerprints use;
