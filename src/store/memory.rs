@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{Applied, Changes, Claim, JobStore, Peeked, StoreError};
-use crate::job::{ClaimRule, ExpiryPolicy, Found, JobId, JobRecord, JobState, Settled, Transition};
+use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, Settled, Transition};
 
 #[derive(Debug)]
 pub struct MemoryStore {
@@ -172,6 +172,14 @@ impl State {
         }
     }
 
+    /// The job of `identity` while a claim would keep it (not expired), with its index entry.
+    fn live(&self, identity: &[u8; 32], now: SystemTime) -> Option<(&Claimed, &JobRecord)> {
+        let claimed = self.by_key.get(identity)?;
+        let record = self.jobs.get(&claimed.id).map(|r| &**r)?;
+        matches!(JobRecord::claim_rule(Some(record), now), ClaimRule::Keep)
+            .then_some((claimed, record))
+    }
+
     /// Moves only the entries that differ between `old` and `new`.
     fn reindex(&mut self, id: &Id, old: Option<Indexed>, new: Option<Indexed>) {
         if let Some(old) = old {
@@ -304,29 +312,15 @@ impl JobStore for MemoryStore {
 
     fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
         let state = self.lock();
-        let live = state
-            .by_key
-            .get(identity)
-            .and_then(|c| state.jobs.get(&c.id))
-            .map(|r| &**r)
-            .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
+        let (_, live) = state.live(identity, now)?;
         Some(Peeked::of(live, fingerprint, now))
     }
 
     fn peek_repeat(&self, identity: &[u8; 32], now: SystemTime) -> Option<([u8; 32], Settled)> {
         let state = self.lock();
-        let claimed = state.by_key.get(identity)?;
-        let repeat = claimed.repeat?;
-        let live = state
-            .jobs
-            .get(&claimed.id)
-            .map(|r| &**r)
-            .filter(|r| matches!(JobRecord::claim_rule(Some(r), now), ClaimRule::Keep))?;
-        // What a request of the job's own fingerprint would be given, and only a replay.
-        match live.classify(&live.job.fingerprint, now) {
-            Found::Replay => Some((repeat, live.settled()?)),
-            _ => None,
-        }
+        let (claimed, live) = state.live(identity, now)?;
+        // `settled` is an answer only for a succeeded job whose body was kept.
+        Some((claimed.repeat?, live.settled()?))
     }
 
     fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
