@@ -336,6 +336,7 @@ pub fn follow(store: Arc<dyn JobStore>, id: JobId, first: MirroredStream) -> Bod
     let state = Follower {
         store,
         id,
+        attempt: first.head.n,
         cursor: first.chunks.len(),
         pending: std::collections::VecDeque::from(first.chunks),
         end: first.end,
@@ -357,6 +358,10 @@ pub fn follow(store: Arc<dyn JobStore>, id: JobId, first: MirroredStream) -> Bod
             }
             tokio::time::sleep(FOLLOW_LAG).await;
             match f.store.read_stream(&f.id, f.cursor).await {
+                // A retry's stream replaced the one followed: that one was cut.
+                Ok(Some(next)) if next.head.n != f.attempt => {
+                    return Some((Err("the mirrored stream was cut".into()), None));
+                }
                 Ok(Some(next)) => {
                     if !next.chunks.is_empty() || next.end.is_some() {
                         f.progress = tokio::time::Instant::now();
@@ -378,6 +383,8 @@ pub const FOLLOW_LAG: std::time::Duration = std::time::Duration::from_millis(25)
 
 struct Follower {
     store: Arc<dyn JobStore>,
+    /// The attempt whose stream is followed.
+    attempt: u32,
     id: JobId,
     cursor: usize,
     pending: std::collections::VecDeque<Bytes>,

@@ -536,3 +536,51 @@ async fn follows_across(
         "one upstream call across both gateways"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_stops_where_a_retry_replaced_the_stream_it_followed() {
+    use idemgate::store::{StreamHead, StreamUpdate};
+    let server = common::redis_server::RedisServer::start().await;
+    let store = redis_store(&server).await;
+    let id = idemgate::job::new_job_id("owner-a", "k-replaced");
+    let head = |n| {
+        StreamUpdate::Head(StreamHead {
+            status: 200,
+            headers: Default::default(),
+            n,
+            provider: "primary".into(),
+        })
+    };
+    let chunks = |n, from, texts: &[&'static str]| StreamUpdate::Chunks {
+        n,
+        from,
+        chunks: texts
+            .iter()
+            .map(|t| Bytes::from_static(t.as_bytes()))
+            .collect(),
+    };
+    store.mirror_stream(&id, head(1)).await.unwrap();
+    store
+        .mirror_stream(&id, chunks(1, 0, &["a"]))
+        .await
+        .unwrap();
+    let first = store.read_stream(&id, 0).await.unwrap().expect("a mirror");
+    let mut body = idemgate::stream::follow(store.clone(), id.clone(), first);
+    let frame = bounded("the first chunk", body.frame())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(frame.into_data().unwrap(), "a");
+
+    // Before the follower looks again, its attempt's stream is replaced by a retry's, which
+    // by then holds more chunks than the follower has read.
+    store.mirror_stream(&id, head(2)).await.unwrap();
+    store
+        .mirror_stream(&id, chunks(2, 0, &["x", "y"]))
+        .await
+        .unwrap();
+    match bounded("the follower's next step", body.frame()).await {
+        Some(Err(_)) => {}
+        other => panic!("a follower relayed past its attempt's stream: {other:?}"),
+    }
+}

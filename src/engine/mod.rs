@@ -466,6 +466,9 @@ impl Engine {
                                 }
                                 // Cut: its job is about to fail, which wakes this wait;
                                 // then it re-opens, rather than relay a broken answer.
+                                // Looked at again at a follower's lag all the same, so
+                                // that no wait hangs on a write to the job alone.
+                                mirror_due = true;
                             }
                             // Not mirrored yet, or the mirror is still an earlier attempt's:
                             // the job does not change when the head is written, so look

@@ -170,6 +170,7 @@ impl AttemptTask {
 
 /// Mirrors a live stream to the store chunk batch by chunk batch, then its end.
 async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
+    let n = live.n;
     let head = StreamHead {
         status: live.status,
         headers: live.headers.clone(),
@@ -185,17 +186,18 @@ async fn mirror(engine: Arc<Engine>, id: JobId, live: LiveStream) {
     loop {
         let Ok((chunks, end)) = live.recording.chunks_from(sent).await else {
             let outgrew = Err("the stream outgrew max_stored_response_bytes".into());
-            let _ = mirror_step(store, &id, StreamUpdate::End(outgrew)).await;
+            let _ = mirror_step(store, &id, StreamUpdate::End { n, end: outgrew }).await;
             return;
         };
         let from = sent;
         sent += chunks.len();
-        if let Err(e) = mirror_step(store, &id, StreamUpdate::Chunks { from, chunks }).await {
+        let update = StreamUpdate::Chunks { n, from, chunks };
+        if let Err(e) = mirror_step(store, &id, update).await {
             warn!(job_id = %id, error = %e, "mirroring the stream failed");
             return;
         }
         if let Some(end) = end {
-            let _ = mirror_step(store, &id, StreamUpdate::End(end)).await;
+            let _ = mirror_step(store, &id, StreamUpdate::End { n, end }).await;
             return;
         }
     }

@@ -205,18 +205,23 @@ pub struct StreamHead {
 
 /// One step of a mirrored stream. Each can be written again after a failure that may have
 /// hidden its success (a lost reply): it leaves the mirror as one write would.
+///
+/// Chunks and ends name their attempt (`n`) and are dropped unless the mirror's head is that
+/// attempt's: a cut attempt's last writes can land after a retry's head (the job fails at
+/// the cut, before its mirror has written the cut), and must not become the retry's.
 #[derive(Clone, Debug)]
 pub enum StreamUpdate {
     /// A new attempt's stream: replaces whatever an earlier attempt mirrored.
     Head(StreamHead),
-    /// Chunks `from`, `from + 1`, … of the stream; the ones the mirror already holds are
-    /// not added again.
+    /// Chunks `from`, `from + 1`, … of attempt `n`'s stream; the ones the mirror already
+    /// holds are not added again.
     Chunks {
+        n: u32,
         from: usize,
         chunks: Vec<bytes::Bytes>,
     },
-    /// The stream ended cleanly, or was cut for this reason.
-    End(Result<(), String>),
+    /// Attempt `n`'s stream ended cleanly, or was cut for this reason.
+    End { n: u32, end: Result<(), String> },
 }
 
 /// What a duplicate on another gateway reads of a live stream.

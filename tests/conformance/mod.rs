@@ -562,8 +562,9 @@ pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
 /// One `#[tokio::test]` per case for the store `make` builds. `make` returns the store and
 /// a guard that keeps whatever backs it (a directory, a server) alive for the test.
 /// A stream's mirror written as the relay writes it, with steps written again as after a
-/// lost reply: every chunk is held once, in order, and a new attempt's head replaces the
-/// earlier attempt's chunks and end. Stores that serve one process do not mirror.
+/// lost reply: every chunk is held once, in order, a new attempt's head replaces the
+/// earlier attempt's chunks and end, and that attempt's writes landing after it are dropped.
+/// Stores that serve one process do not mirror.
 pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStore>) {
     use idemgate::store::{StreamHead, StreamUpdate};
     let job = created(&*store, "owner-a", "streaming").await;
@@ -574,7 +575,8 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
         n,
         provider: "p".into(),
     };
-    let chunks = |from, texts: &[&'static str]| StreamUpdate::Chunks {
+    let chunks = |n, from, texts: &[&'static str]| StreamUpdate::Chunks {
+        n,
         from,
         chunks: texts
             .iter()
@@ -590,11 +592,14 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
     };
     assert!(empty.chunks.is_empty() && empty.end.is_none());
     for update in [
-        chunks(0, &["a", "b"]),
-        chunks(0, &["a", "b"]),
-        chunks(1, &["b", "c"]),
-        chunks(3, &["d"]),
-        StreamUpdate::End(Err("cut".into())),
+        chunks(1, 0, &["a", "b"]),
+        chunks(1, 0, &["a", "b"]),
+        chunks(1, 1, &["b", "c"]),
+        chunks(1, 3, &["d"]),
+        StreamUpdate::End {
+            n: 1,
+            end: Err("cut".into()),
+        },
     ] {
         store.mirror_stream(id, update).await.unwrap();
     }
@@ -614,9 +619,25 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
     assert_eq!(retried.head.n, 2);
     assert!(retried.chunks.is_empty(), "{:?}", retried.chunks);
     assert_eq!(retried.end, None);
-    store.mirror_stream(id, chunks(0, &["x"])).await.unwrap();
+    store.mirror_stream(id, chunks(2, 0, &["x"])).await.unwrap();
+    // The cut attempt's last writes, landing late: its mirror is gone, they are dropped.
+    for late in [
+        chunks(1, 4, &["e"]),
+        StreamUpdate::End {
+            n: 1,
+            end: Err("cut".into()),
+        },
+    ] {
+        store.mirror_stream(id, late).await.unwrap();
+    }
+    let live = store.read_stream(id, 0).await.unwrap().expect("a mirror");
+    assert_eq!(
+        (live.head.n, live.chunks, live.end),
+        (2, vec![Bytes::from("x")], None),
+        "an earlier attempt's writes reached a retry's mirror"
+    );
     store
-        .mirror_stream(id, StreamUpdate::End(Ok(())))
+        .mirror_stream(id, StreamUpdate::End { n: 2, end: Ok(()) })
         .await
         .unwrap();
     let whole = store.read_stream(id, 0).await.unwrap().expect("a mirror");

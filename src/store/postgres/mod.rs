@@ -620,44 +620,78 @@ impl JobStore for PostgresStore {
     }
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
+        // Every step locks the head's row before it touches the chunks, and chunks and ends
+        // are written only while the head is their attempt's: an earlier attempt's late
+        // writes either land before a new head, which then deletes them, or find the new
+        // head and are dropped.
         let (sql, params): (
             &str,
             Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>,
         ) = match update {
             // A new attempt's stream replaces an earlier one's whole: head, end and chunks.
-            StreamUpdate::Head(head) => (
-                "WITH cleared AS (DELETE FROM stream_chunks WHERE job_id = $1)
-                 INSERT INTO stream_heads (job_id, head) VALUES ($1, $2)
-                     ON CONFLICT (job_id) DO UPDATE SET head = excluded.head, ended = NULL,
-                         updated_at = now()",
-                vec![Box::new(id.to_owned()), Box::new(encode(&head))],
-            ),
-            StreamUpdate::Chunks { from, chunks } => {
+            // Two statements, so that the delete (a snapshot of its own) sees every chunk
+            // written before the head's row was locked.
+            StreamUpdate::Head(head) => {
+                let attempt = i32::try_from(head.n).map_err(unavailable)?;
+                let transaction = client.transaction().await.map_err(unavailable)?;
+                let upsert = transaction
+                    .prepare_cached(
+                        "INSERT INTO stream_heads (job_id, head, attempt) VALUES ($1, $2, $3)
+                         ON CONFLICT (job_id) DO UPDATE SET head = excluded.head,
+                             attempt = excluded.attempt, ended = NULL, updated_at = now()",
+                    )
+                    .await
+                    .map_err(unavailable)?;
+                transaction
+                    .execute(&upsert, &[&id, &encode(&head), &attempt])
+                    .await
+                    .map_err(unavailable)?;
+                let clear = transaction
+                    .prepare_cached("DELETE FROM stream_chunks WHERE job_id = $1")
+                    .await
+                    .map_err(unavailable)?;
+                transaction
+                    .execute(&clear, &[&id])
+                    .await
+                    .map_err(unavailable)?;
+                return transaction.commit().await.map_err(unavailable);
+            }
+            StreamUpdate::Chunks { n, from, chunks } => {
                 if chunks.is_empty() {
                     return Ok(());
                 }
                 let data: Vec<Vec<u8>> = chunks.iter().map(|c| c.to_vec()).collect();
                 let from = i32::try_from(from).map_err(unavailable)?;
+                let attempt = i32::try_from(n).map_err(unavailable)?;
                 (
                     "WITH touched AS (
-                            UPDATE stream_heads SET updated_at = now() WHERE job_id = $1
+                            UPDATE stream_heads SET updated_at = now()
+                            WHERE job_id = $1 AND attempt = $4
+                            RETURNING job_id
                          )
                          INSERT INTO stream_chunks (job_id, seq, data)
-                         SELECT $1, $3 + t.ord::integer - 1, t.data
-                         FROM unnest($2::bytea[]) WITH ORDINALITY AS t(data, ord)
+                         SELECT touched.job_id, $3 + t.ord::integer - 1, t.data
+                         FROM touched, unnest($2::bytea[]) WITH ORDINALITY AS t(data, ord)
                          ON CONFLICT (job_id, seq) DO NOTHING",
-                    vec![Box::new(id.to_owned()), Box::new(data), Box::new(from)],
+                    vec![
+                        Box::new(id.to_owned()),
+                        Box::new(data),
+                        Box::new(from),
+                        Box::new(attempt),
+                    ],
                 )
             }
-            StreamUpdate::End(result) => (
-                "UPDATE stream_heads SET ended = $2, updated_at = now() WHERE job_id = $1",
+            StreamUpdate::End { n, end } => (
+                "UPDATE stream_heads SET ended = $2, updated_at = now()
+                 WHERE job_id = $1 AND attempt = $3",
                 vec![
                     Box::new(id.to_owned()),
-                    Box::new(match result {
+                    Box::new(match end {
                         Ok(()) => "ok".to_owned(),
                         Err(reason) => format!("cut:{reason}"),
                     }),
+                    Box::new(i32::try_from(n).map_err(unavailable)?),
                 ],
             ),
         };

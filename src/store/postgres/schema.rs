@@ -9,10 +9,11 @@ use tokio_postgres::Client;
 const LOCK: i64 = 0x6964_656d_6761_7465;
 
 /// (version, name, SQL), in order. Never edit one that has shipped: add the next.
-pub(super) const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "jobs, attempts, responses, mirrored streams",
-    r#"
+pub(super) const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "jobs, attempts, responses, mirrored streams",
+        r#"
 CREATE TABLE jobs (
     id              text        PRIMARY KEY,
     owner           text        NOT NULL,
@@ -76,7 +77,18 @@ CREATE TABLE stream_chunks (
     PRIMARY KEY (job_id, seq)
 );
 "#,
-)];
+    ),
+    (
+        2,
+        "the attempt a mirrored stream is of",
+        // Chunks and ends are written only to the mirror of their own attempt, so a cut
+        // attempt's late writes cannot land in its retry's stream. 0 for a head written
+        // before: no attempt is numbered 0, so such a mirror takes no more writes.
+        r#"
+ALTER TABLE stream_heads ADD COLUMN attempt integer NOT NULL DEFAULT 0;
+"#,
+    ),
+];
 
 /// Brings the database up to the latest migration; the versions this call applied (none
 /// when another gateway already did).

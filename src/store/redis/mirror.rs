@@ -1,6 +1,7 @@
 //! Live streams mirrored through Redis (SPEC §5), so a duplicate that lands on another
-//! gateway follows the stream: the head, a list of chunks and an end marker, each with a TTL,
-//! and a publish on the job's channel at every step.
+//! gateway follows the stream: the head, a list of chunks, an end marker and the number of
+//! the attempt they are of, each with a TTL, and a publish on the job's channel at every
+//! step.
 
 use std::sync::atomic::Ordering;
 
@@ -14,59 +15,67 @@ impl RedisStore {
             return Ok(());
         };
         let keys = self.keys(tag);
-        let (head, chunks, end) = (
+        let (head, chunks, end, attempt) = (
             keys.stream("shead", id),
             keys.stream("schunks", id),
             keys.stream("send", id),
+            keys.stream("sattempt", id),
         );
-        let mut pipe = redis::pipe();
+        // Each step is one script, atomic against the others: an earlier attempt's late
+        // chunks or end, checked against `sattempt`, cannot slip in beside a new head. EVAL,
+        // not EVALSHA through a `Script` as the job scripts go: it rides in this pipeline
+        // with the publish, and a pipeline cannot load a script a server has lost (a
+        // restart, another Cluster node).
+        let mut step = redis::cmd("EVAL");
         match update {
             StreamUpdate::Head(h) => {
-                // A new attempt's stream replaces an earlier one's whole: its chunks and end
-                // go first. A follower that reads in between finds the earlier attempt's head,
-                // which it does not follow (`StreamHead::n` is not the attempt streaming).
-                pipe.cmd("DEL").arg(&chunks).arg(&end).ignore();
-                pipe.cmd("SET")
+                let n = h.n;
+                step.arg(super::scripts::MIRROR_HEAD)
+                    .arg(4)
                     .arg(&head)
+                    .arg(&chunks)
+                    .arg(&end)
+                    .arg(&attempt)
                     .arg(encode(&h))
-                    .arg("PX")
-                    .arg(MIRROR_TTL_MS)
-                    .ignore();
+                    .arg(n)
+                    .arg(MIRROR_TTL_MS);
             }
-            StreamUpdate::Chunks { from, chunks: new } => {
+            StreamUpdate::Chunks {
+                n,
+                from,
+                chunks: new,
+            } => {
                 if new.is_empty() {
                     return Ok(());
                 }
-                // Only the chunks the list does not hold yet: a batch written again after a
-                // lost reply is not appended twice. EVAL, not EVALSHA through a `Script` as
-                // the job scripts go: it rides in this pipeline with the expiries and the
-                // publish, and a pipeline cannot load a script a server has lost (a restart,
-                // another Cluster node).
-                let mut push = redis::cmd("EVAL");
-                push.arg(super::scripts::PUSH_FROM)
-                    .arg(1)
+                step.arg(super::scripts::PUSH_FROM)
+                    .arg(3)
                     .arg(&chunks)
-                    .arg(from);
+                    .arg(&attempt)
+                    .arg(&head)
+                    .arg(n)
+                    .arg(from)
+                    .arg(MIRROR_TTL_MS);
                 for chunk in &new {
-                    push.arg(chunk.as_ref());
+                    step.arg(chunk.as_ref());
                 }
-                pipe.add_command(push).ignore();
-                pipe.cmd("PEXPIRE").arg(&chunks).arg(MIRROR_TTL_MS).ignore();
-                pipe.cmd("PEXPIRE").arg(&head).arg(MIRROR_TTL_MS).ignore();
             }
-            StreamUpdate::End(result) => {
+            StreamUpdate::End { n, end: result } => {
                 let marker = match result {
                     Ok(()) => "ok".to_owned(),
                     Err(reason) => format!("cut:{reason}"),
                 };
-                pipe.cmd("SET")
+                step.arg(super::scripts::MIRROR_END)
+                    .arg(2)
                     .arg(&end)
+                    .arg(&attempt)
+                    .arg(n)
                     .arg(marker)
-                    .arg("PX")
-                    .arg(MIRROR_TTL_MS)
-                    .ignore();
+                    .arg(MIRROR_TTL_MS);
             }
         }
+        let mut pipe = redis::pipe();
+        pipe.add_command(step).ignore();
         pipe.cmd("PUBLISH").arg(keys.chan(id)).arg(0).ignore();
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
@@ -84,17 +93,16 @@ impl RedisStore {
             return Ok(None);
         };
         let keys = self.keys(tag);
-        // The end marker is read first: whatever chunks preceded it are then in the list.
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(keys.stream("send", id));
-        pipe.cmd("GET").arg(keys.stream("shead", id));
-        pipe.cmd("LRANGE")
+        let mut read = redis::cmd("EVAL");
+        read.arg(super::scripts::MIRROR_READ)
+            .arg(3)
+            .arg(keys.stream("send", id))
+            .arg(keys.stream("shead", id))
             .arg(keys.stream("schunks", id))
-            .arg(from)
-            .arg(-1);
+            .arg(from);
         let mut connection = self.connection.clone();
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let (end, head, chunks): (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>) = pipe
+        let (end, head, chunks): (Option<String>, Option<Vec<u8>>, Vec<Vec<u8>>) = read
             .query_async(&mut connection)
             .await
             .map_err(unavailable)?;

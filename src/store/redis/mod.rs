@@ -465,7 +465,7 @@ impl Keys {
         self.key("watch:", id)
     }
 
-    /// A mirrored stream's keys: `shead`, `schunks`, `send`.
+    /// A mirrored stream's keys: `shead`, `schunks`, `send`, `sattempt`.
     fn stream(&self, part: &str, id: &str) -> String {
         let mut key = self.key(part, ":");
         key.push_str(id);

@@ -91,19 +91,55 @@ end
 return {1, tostring(rev)}
 "#;
 
-/// Appends the chunks of ARGV[2..] numbered from ARGV[1] that the list KEYS[1] does not
-/// hold yet, so that a batch written again is not appended twice; refuses a batch that
-/// would leave a gap.
+/// A new attempt's mirrored stream (SPEC §5): KEYS head, chunks, end, attempt; ARGV the
+/// encoded head, its attempt number and the TTL in ms. The earlier attempt's chunks and end
+/// go in the same step, so no reader sees the new head with the old chunks.
+pub(super) const MIRROR_HEAD: &str = r#"
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
+return 1
+"#;
+
+/// Appends to KEYS[1] (the chunks) the chunks of ARGV[4..] numbered from ARGV[2] that it
+/// does not hold yet, so that a batch written again is not appended twice, and renews the
+/// TTL (ARGV[3], ms) of the chunks, the head KEYS[3] and the attempt KEYS[2]; refuses a
+/// batch that would leave a gap. Drops the batch (returns -1) unless the mirror is
+/// attempt ARGV[1]'s.
 pub(super) const PUSH_FROM: &str = r#"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return -1
+end
 local held = redis.call('LLEN', KEYS[1])
-local from = tonumber(ARGV[1])
+local from = tonumber(ARGV[2])
 if from > held then
   return redis.error_reply('mirrored chunks missing before ' .. from)
 end
-for i = 2, #ARGV do
-  if from + i - 2 >= held then
+for i = 4, #ARGV do
+  if from + i - 4 >= held then
     redis.call('RPUSH', KEYS[1], ARGV[i])
   end
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return held
+"#;
+
+/// Marks the end (KEYS[1]) of attempt ARGV[1]'s mirrored stream with ARGV[2], for ARGV[3]
+/// ms, unless the mirror (attempt KEYS[2]) is another attempt's by now.
+pub(super) const MIRROR_END: &str = r#"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"#;
+
+/// A mirror as one snapshot: the end KEYS[1], the head KEYS[2] and the chunks KEYS[3] from
+/// ARGV[1]; read in separate commands, a new attempt's head could come with the earlier
+/// attempt's end.
+pub(super) const MIRROR_READ: &str = r#"
+return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]),
+  redis.call('LRANGE', KEYS[3], ARGV[1], -1)}
 "#;
