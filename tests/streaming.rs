@@ -539,26 +539,10 @@ async fn follows_across(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_stops_where_a_retry_replaced_the_stream_it_followed() {
-    use idemgate::store::{StreamHead, StreamUpdate};
+    use common::mirror::{chunks, head};
     let server = common::redis_server::RedisServer::start().await;
     let store = redis_store(&server).await;
     let id = idemgate::job::new_job_id("owner-a", "k-replaced");
-    let head = |n| {
-        StreamUpdate::Head(StreamHead {
-            status: 200,
-            headers: Default::default(),
-            n,
-            provider: "primary".into(),
-        })
-    };
-    let chunks = |n, from, texts: &[&'static str]| StreamUpdate::Chunks {
-        n,
-        from,
-        chunks: texts
-            .iter()
-            .map(|t| Bytes::from_static(t.as_bytes()))
-            .collect(),
-    };
     store.mirror_stream(&id, head(1)).await.unwrap();
     store
         .mirror_stream(&id, chunks(1, 0, &["a"]))

@@ -24,6 +24,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
+pub mod mirror;
 pub mod pg_server;
 pub mod redis_server;
 pub mod shared_stores;

@@ -559,34 +559,15 @@ pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
     store.ping().await.unwrap();
 }
 
-/// One `#[tokio::test]` per case for the store `make` builds. `make` returns the store and
-/// a guard that keeps whatever backs it (a directory, a server) alive for the test.
 /// A stream's mirror written as the relay writes it, with steps written again as after a
 /// lost reply: every chunk is held once, in order, a new attempt's head replaces the
 /// earlier attempt's chunks and end, and that attempt's writes landing after it are dropped.
 /// Stores that serve one process do not mirror.
 pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStore>) {
-    use idemgate::store::{StreamHead, StreamUpdate};
+    use crate::common::mirror::{chunks, end, head};
     let job = created(&*store, "owner-a", "streaming").await;
     let id = job.job.id.as_str();
-    let head = |n| StreamHead {
-        status: 200,
-        headers: Default::default(),
-        n,
-        provider: "p".into(),
-    };
-    let chunks = |n, from, texts: &[&'static str]| StreamUpdate::Chunks {
-        n,
-        from,
-        chunks: texts
-            .iter()
-            .map(|t| Bytes::from_static(t.as_bytes()))
-            .collect(),
-    };
-    store
-        .mirror_stream(id, StreamUpdate::Head(head(1)))
-        .await
-        .unwrap();
+    store.mirror_stream(id, head(1)).await.unwrap();
     let Some(empty) = store.read_stream(id, 0).await.unwrap() else {
         return;
     };
@@ -596,10 +577,7 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
         chunks(1, 0, &["a", "b"]),
         chunks(1, 1, &["b", "c"]),
         chunks(1, 3, &["d"]),
-        StreamUpdate::End {
-            n: 1,
-            end: Err("cut".into()),
-        },
+        end(1, Err("cut")),
     ] {
         store.mirror_stream(id, update).await.unwrap();
     }
@@ -611,23 +589,14 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
         ["c", "d"]
     );
 
-    store
-        .mirror_stream(id, StreamUpdate::Head(head(2)))
-        .await
-        .unwrap();
+    store.mirror_stream(id, head(2)).await.unwrap();
     let retried = store.read_stream(id, 0).await.unwrap().expect("a mirror");
     assert_eq!(retried.head.n, 2);
     assert!(retried.chunks.is_empty(), "{:?}", retried.chunks);
     assert_eq!(retried.end, None);
     store.mirror_stream(id, chunks(2, 0, &["x"])).await.unwrap();
     // The cut attempt's last writes, landing late: its mirror is gone, they are dropped.
-    for late in [
-        chunks(1, 4, &["e"]),
-        StreamUpdate::End {
-            n: 1,
-            end: Err("cut".into()),
-        },
-    ] {
+    for late in [chunks(1, 4, &["e"]), end(1, Err("cut"))] {
         store.mirror_stream(id, late).await.unwrap();
     }
     let live = store.read_stream(id, 0).await.unwrap().expect("a mirror");
@@ -636,10 +605,7 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
         (2, vec![Bytes::from("x")], None),
         "an earlier attempt's writes reached a retry's mirror"
     );
-    store
-        .mirror_stream(id, StreamUpdate::End { n: 2, end: Ok(()) })
-        .await
-        .unwrap();
+    store.mirror_stream(id, end(2, Ok(()))).await.unwrap();
     let whole = store.read_stream(id, 0).await.unwrap().expect("a mirror");
     assert_eq!(
         (whole.chunks, whole.end),
@@ -647,6 +613,8 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
     );
 }
 
+/// One `#[tokio::test]` per case for the store `make` builds. `make` returns the store and
+/// a guard that keeps whatever backs it (a directory, a server) alive for the test.
 #[macro_export]
 macro_rules! conformance_suite {
     ($store:ident, $make:expr) => {
