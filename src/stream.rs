@@ -316,8 +316,12 @@ impl LiveStreams {
         self.lock().insert(id.to_owned(), stream);
     }
 
-    pub fn remove(&self, id: &str) {
-        self.lock().remove(id);
+    /// Forgets attempt `n`'s stream of a job; a later attempt's, which replaced it, stays.
+    pub fn remove(&self, id: &str, n: u32) {
+        let mut streams = self.lock();
+        if streams.get(id).is_some_and(|s| s.n == n) {
+            streams.remove(id);
+        }
     }
 
     /// The live stream of a job, if it is here and can still be joined from its start.
@@ -417,6 +421,25 @@ mod tests {
         assert_eq!(early.await.unwrap().unwrap(), vec!["a", "b", "c"]);
         assert_eq!(late.await.unwrap().unwrap(), vec!["a", "b", "c"]);
         assert_eq!(rec.recorded(), (Bytes::from_static(b"abc"), false));
+    }
+
+    #[test]
+    fn an_attempt_that_ends_leaves_a_later_attempts_stream_joinable() {
+        let live = |n| LiveStream {
+            status: 200,
+            headers: Default::default(),
+            n,
+            provider: "p".into(),
+            recording: Recording::new(1024),
+        };
+        let streams = LiveStreams::default();
+        streams.insert("job_1", live(1));
+        // The retry's stream replaces the cut one's before the cut attempt's relay is done.
+        streams.insert("job_1", live(2));
+        streams.remove("job_1", 1);
+        assert_eq!(streams.joinable("job_1").map(|s| s.n), Some(2));
+        streams.remove("job_1", 2);
+        assert!(streams.joinable("job_1").is_none());
     }
 
     #[tokio::test]

@@ -408,6 +408,67 @@ async fn follows_across_mirror_faults(
     follows_across(streaming, postgres_store(url).await).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_streams_late_mirror_end_does_not_reach_its_retrys_followers() {
+    let server = common::redis_server::RedisServer::start().await;
+    let url = common::pg_server::shared().database().await;
+    let streaming = faults::Faulty::scripted(redis_store(&server).await, &[]);
+    follows_a_retry_past_a_late_cut(streaming, redis_store(&server).await).await;
+    let streaming = faults::Faulty::scripted(postgres_store(&url).await, &[]);
+    follows_a_retry_past_a_late_cut(streaming, postgres_store(&url).await).await;
+}
+
+/// Gateway `a` (on `streaming`) relays a stream that is cut, then a retry's, whose head is
+/// mirrored before the cut one's end; a duplicate on gateway `b` follows the retry.
+async fn follows_a_retry_past_a_late_cut(
+    streaming: Arc<faults::Faulty>,
+    b: Arc<dyn idemgate::store::JobStore>,
+) {
+    let late_end = streaming.hold_next_mirror_end();
+    let mut mirrored = streaming.watch_mirror();
+    let (mut provider, a, b) = two_gateways(streaming, b).await;
+    let events = events();
+    let key = "k-late-cut";
+
+    let (first, id, upstream) = three_chunks_read(&mut provider, &a.base, key).await;
+    upstream
+        .send(Err(std::io::Error::other("connection reset")))
+        .unwrap();
+    assert!(
+        first.read_to_end().await.is_err(),
+        "the first stream is cut"
+    );
+    a.job_eventually(&id, |v| v["job"]["state"] == "failed")
+        .await;
+    drop(upstream);
+
+    // The retry streams and its head is mirrored while the cut one's end is still on its way.
+    let retry = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), key));
+    let upstream = provider.next_call().await;
+    send_chunk(&upstream, &events[0]);
+    let mut retry = retry.await.unwrap();
+    assert_eq!(retry.headers["x-idempotency-attempt"], "2");
+    assert_eq!(retry.read_exactly(events[0].len()).await, events[0]);
+    mirror_reached(&mut mirrored, ("head", 2)).await;
+    late_end.add_permits(1);
+    mirror_reached(&mut mirrored, ("end", 1)).await;
+
+    // A duplicate on the other gateway follows the retry, not the cut it came after.
+    let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), key).await;
+    assert_eq!(duplicate.headers["x-idempotency-attempt"], "2");
+    assert_eq!(duplicate.read_exactly(events[0].len()).await, events[0]);
+    both_end_cleanly(upstream, &events[1..], duplicate, retry).await;
+    assert_eq!(provider.calls(), 2, "the cut stream and the retry's");
+}
+
+/// Waits (bounded) until a mirror write `want` reached the store.
+async fn mirror_reached(
+    mirrored: &mut mpsc::UnboundedReceiver<(&'static str, u32)>,
+    want: (&'static str, u32),
+) {
+    while bounded("a mirror write", mirrored.recv()).await.unwrap() != want {}
+}
+
 /// A streaming provider and two gateways in front of it, on stores `a` and `b`.
 async fn two_gateways(
     a: Arc<dyn idemgate::store::JobStore>,

@@ -117,7 +117,7 @@ impl AttemptTask {
             let _ = mirror.await;
         }
         if let Some(id) = &self.job_id {
-            self.engine.streams.remove(id);
+            self.engine.streams.remove(id, n);
         }
     }
 

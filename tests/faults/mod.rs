@@ -71,6 +71,10 @@ pub struct Faulty {
     claims: bool,
     /// Faults for the next writes of a stream's mirror, in order, apart from `plan`.
     mirror: Mutex<VecDeque<Option<Fault>>>,
+    /// The next mirrored end waits for a permit of this before it reaches the store.
+    held_end: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+    /// Told of every mirror write that reached the store: its step and its attempt.
+    mirrored: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(&'static str, u32)>>>,
     pub fired: Fired,
 }
 
@@ -82,6 +86,8 @@ impl Faulty {
             plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
             claims: true,
             mirror: Mutex::default(),
+            held_end: Mutex::default(),
+            mirrored: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
             fired: Fired::default(),
@@ -105,6 +111,8 @@ impl Faulty {
             }),
             claims,
             mirror: Mutex::default(),
+            held_end: Mutex::default(),
+            mirrored: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
             fired: Fired::default(),
@@ -114,6 +122,22 @@ impl Faulty {
     /// Faults for the next mirror writes of live streams, in order.
     pub fn mirror_faults(&self, faults: &[Option<Fault>]) {
         self.mirror.lock().unwrap().extend(faults.iter().copied());
+    }
+
+    /// Holds the next mirrored end until the returned semaphore is given a permit, as a
+    /// write that lands late.
+    pub fn hold_next_mirror_end(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *self.held_end.lock().unwrap() = Some(gate.clone());
+        gate
+    }
+
+    /// Every mirror write that reached the store from now on, as `("head" | "chunks" |
+    /// "end", attempt)`.
+    pub fn watch_mirror(&self) -> tokio::sync::mpsc::UnboundedReceiver<(&'static str, u32)> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        *self.mirrored.lock().unwrap() = Some(tx);
+        rx
     }
 
     /// Queues more scripted faults.
@@ -264,8 +288,25 @@ impl JobStore for Faulty {
     }
 
     async fn mirror_stream(&self, id: &str, update: StreamUpdate) -> Result<(), StoreError> {
+        let step = match &update {
+            StreamUpdate::Head(head) => ("head", head.n),
+            StreamUpdate::Chunks { n, .. } => ("chunks", *n),
+            StreamUpdate::End { n, .. } => ("end", *n),
+        };
+        if step.0 == "end" {
+            let held = self.held_end.lock().unwrap().take();
+            if let Some(gate) = held {
+                gate.acquire().await.expect("the gate stays open").forget();
+            }
+        }
         let fault = self.mirror.lock().unwrap().pop_front().flatten();
-        self.meet(fault, self.inner.mirror_stream(id, update)).await
+        let written = self.meet(fault, self.inner.mirror_stream(id, update)).await;
+        if written.is_ok() {
+            if let Some(tx) = &*self.mirrored.lock().unwrap() {
+                let _ = tx.send(step);
+            }
+        }
+        written
     }
 
     async fn read_stream(
