@@ -466,8 +466,9 @@ impl Engine {
                                 }
                                 // Cut: its job is about to fail, which wakes this wait;
                                 // then it re-opens, rather than relay a broken answer.
-                                // Looked at again at a follower's lag all the same, so
-                                // that no wait hangs on a write to the job alone.
+                                // Looked at again at a follower's pace all the same: a
+                                // mirror that shows a cut it should not (an earlier
+                                // attempt's late write) then costs a poll, not the wait.
                                 mirror_due = true;
                             }
                             // Not mirrored yet, or the mirror is still an earlier attempt's:
