@@ -427,38 +427,14 @@ async fn follows_a_retry_past_a_late_cut(
     let late_end = streaming.hold_next_mirror_end();
     let mut mirrored = streaming.watch_mirror();
     let (mut provider, a, b) = two_gateways(streaming, b).await;
-    let events = events();
     let key = "k-late-cut";
-
-    let (first, id, upstream) = three_chunks_read(&mut provider, &a.base, key).await;
-    upstream
-        .send(Err(std::io::Error::other("connection reset")))
-        .unwrap();
-    assert!(
-        first.read_to_end().await.is_err(),
-        "the first stream is cut"
-    );
-    a.job_eventually(&id, |v| v["job"]["state"] == "failed")
-        .await;
-    drop(upstream);
-
     // The retry streams and its head is mirrored while the cut one's end is still on its way.
-    let retry = tokio::spawn(Reading::start(format!("{}{CHAT}", a.base), key));
-    let upstream = provider.next_call().await;
-    send_chunk(&upstream, &events[0]);
-    let mut retry = retry.await.unwrap();
-    assert_eq!(retry.headers["x-idempotency-attempt"], "2");
-    assert_eq!(retry.read_exactly(events[0].len()).await, events[0]);
+    let (upstream, retry) = cut_then_retried(&mut provider, &a, key).await;
     mirror_reached(&mut mirrored, ("head", 2)).await;
     late_end.add_permits(1);
     mirror_reached(&mut mirrored, ("end", 1)).await;
-
     // A duplicate on the other gateway follows the retry, not the cut it came after.
-    let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), key).await;
-    assert_eq!(duplicate.headers["x-idempotency-attempt"], "2");
-    assert_eq!(duplicate.read_exactly(events[0].len()).await, events[0]);
-    both_end_cleanly(upstream, &events[1..], duplicate, retry).await;
-    assert_eq!(provider.calls(), 2, "the cut stream and the retry's");
+    duplicate_follows_the_retry(&provider, &b, key, upstream, retry).await;
 }
 
 /// Waits (bounded) until a mirror write `want` reached the store.
@@ -488,10 +464,20 @@ async fn follows_a_retry_across(
     b: Arc<dyn idemgate::store::JobStore>,
 ) {
     let (mut provider, a, b) = two_gateways(a, b).await;
-    let events = events();
     let key = "k-again";
+    let (upstream, retry) = cut_then_retried(&mut provider, &a, key).await;
+    duplicate_follows_the_retry(&provider, &b, key, upstream, retry).await;
+}
 
-    let (first, id, upstream) = three_chunks_read(&mut provider, &a.base, key).await;
+/// On gateway `a`, a stream for `key` cut after three chunks, then the retry's stream with
+/// its first chunk read: the retry's upstream and the retry's response.
+async fn cut_then_retried(
+    provider: &mut StreamingProvider,
+    a: &TestGateway,
+    key: &'static str,
+) -> (mpsc::UnboundedSender<Chunk>, Reading) {
+    let events = events();
+    let (first, id, upstream) = three_chunks_read(provider, &a.base, key).await;
     upstream
         .send(Err(std::io::Error::other("connection reset")))
         .unwrap();
@@ -509,7 +495,19 @@ async fn follows_a_retry_across(
     let mut retry = retry.await.unwrap();
     assert_eq!(retry.headers["x-idempotency-attempt"], "2");
     assert_eq!(retry.read_exactly(events[0].len()).await, events[0]);
+    (upstream, retry)
+}
 
+/// A duplicate for `key` on gateway `b` follows the retry's stream from its own first chunk
+/// (none of the cut stream's chunks, not its cut) to a clean end, as the retry does.
+async fn duplicate_follows_the_retry(
+    provider: &StreamingProvider,
+    b: &TestGateway,
+    key: &str,
+    upstream: mpsc::UnboundedSender<Chunk>,
+    retry: Reading,
+) {
+    let events = events();
     let mut duplicate = Reading::start(format!("{}{CHAT}", b.base), key).await;
     assert_eq!(duplicate.headers["x-idempotency-attempt"], "2");
     assert_eq!(duplicate.read_exactly(events[0].len()).await, events[0]);
