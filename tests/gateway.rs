@@ -865,14 +865,18 @@ async fn replays_are_identical_to_the_first_answer() {
     .await;
     let gw = TestGateway::start(&config(&[("primary", &primary.uri(), "30s")], "")).await;
     let first = gw.post(CHAT, Some("k-same"), chat_request()).await;
-    let replay = gw.post(CHAT, Some("k-same"), chat_request()).await;
-    assert_eq!(first.status, replay.status);
-    assert_eq!(first.body, replay.body);
-    assert_eq!(comparable_headers(&first), comparable_headers(&replay));
     assert_eq!(first.header("x-request-id"), Some("req_primary"));
     assert_eq!(first.header("openai-processing-ms"), Some("312"));
     assert_eq!(first.header("idempotent-replayed"), Some("false"));
-    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // The first replay reads the job, the second makes the headers its store keeps for the
+    // job's replays, the third is given them.
+    for _ in 0..3 {
+        let replay = gw.post(CHAT, Some("k-same"), chat_request()).await;
+        assert_eq!(first.status, replay.status);
+        assert_eq!(first.body, replay.body);
+        assert_eq!(comparable_headers(&first), comparable_headers(&replay));
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    }
     assert_eq!(received(&primary).await, 1);
 }
 

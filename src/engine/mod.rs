@@ -34,7 +34,7 @@ use crate::config::{Config, Route};
 use crate::error::Cause;
 use crate::job::{
     claim_digest_bytes, job_id_for, Effect, ExpiryPolicy, Found, JobId, JobRecord, JobState,
-    Settled, StoredResponse, Transition,
+    ReplayHead, Settled, StoredResponse, Transition,
 };
 use crate::metrics::Metrics;
 use crate::probe::ProbeResults;
@@ -123,6 +123,8 @@ pub enum Outcome {
         n: u32,
         provider: String,
         replayed: bool,
+        /// A replay's headers as its store keeps them, if it does.
+        head: Option<ReplayHead>,
     },
     /// A live stream: relayed by this request's round, or joined by a duplicate.
     Stream {
@@ -581,6 +583,7 @@ impl Engine {
                     n,
                     provider,
                     replayed: false,
+                    head: None,
                 }
             }
             RoundEnd::Streaming(live) => {
@@ -692,6 +695,7 @@ fn replayed(settled: Settled) -> Outcome {
         n: settled.n,
         provider: settled.provider,
         replayed: true,
+        head: settled.head,
     }
 }
 

@@ -20,7 +20,21 @@ pub(super) fn respond(outcome: Outcome, store: &std::sync::Arc<dyn JobStore>) ->
             n,
             provider,
             replayed,
-        } => answer(job_id.as_deref(), &response, Some((n, &provider)), replayed),
+            head,
+        } => match head {
+            Some(head) => {
+                let headers = head.get_or_init(|| {
+                    answer(job_id.as_deref(), &response, Some((n, &provider)), replayed)
+                        .into_parts()
+                        .0
+                        .headers
+                });
+                let mut response = with_body(&response);
+                *response.headers_mut() = headers.clone();
+                response
+            }
+            None => answer(job_id.as_deref(), &response, Some((n, &provider)), replayed),
+        },
         Outcome::Stream {
             job_id,
             live,
@@ -65,8 +79,7 @@ fn answer(
     attempt: Option<(u32, &str)>,
     replayed: bool,
 ) -> Response<Body> {
-    let mut response = Response::new(body::full(stored.body.clone()));
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut response = with_body(stored);
     let headers = response.headers_mut();
     // Sized once for the provider's headers, the gateway's four and the request id, instead
     // of grown (and rehashed) on the way through an answer's twenty.
@@ -92,6 +105,13 @@ fn answer(
         headers::REPLAYED,
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
+    response
+}
+
+/// A stored answer's status and body, without headers yet.
+fn with_body(stored: &StoredResponse) -> Response<Body> {
+    let mut response = Response::new(body::full(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     response
 }
 

@@ -311,7 +311,16 @@ pub struct Settled {
     pub response: StoredResponse,
     pub n: u32,
     pub provider: String,
+    /// Where a store that keeps its replays' headers keeps them for this job.
+    pub head: Option<ReplayHead>,
 }
+
+/// The headers of a job's replays — the provider's, then the gateway's — made by the first
+/// replay and cloned by each later one. They depend only on the settled job, so a store
+/// keeps one per job it has replayed (the memory store, beside the repeat digest): making
+/// them parses, validates and hashes every header of the answer again, the largest part
+/// of a replay's own work after hashing the request.
+pub type ReplayHead = std::sync::Arc<std::sync::OnceLock<http::HeaderMap>>;
 
 impl JobRecord {
     /// A freshly claimed job: `in_progress`, version 1, no attempts, leased until `lease_until`.
@@ -380,6 +389,7 @@ impl JobRecord {
             response: response.clone(),
             n,
             provider,
+            head: None,
         })
     }
 

@@ -15,7 +15,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use super::{Applied, Changes, Claim, JobStore, Peeked, StoreError};
-use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, Settled, Transition};
+use crate::job::{
+    ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, ReplayHead, Settled, Transition,
+};
 
 #[derive(Debug)]
 pub struct MemoryStore {
@@ -47,6 +49,8 @@ struct State {
 struct Claimed {
     id: Id,
     repeat: Option<[u8; 32]>,
+    /// The headers of the job's replays, made by the first (`Settled::head`).
+    head: Option<ReplayHead>,
 }
 
 /// A hash map split into 64 by key hash, each part growing on its own, so a resize moves
@@ -158,6 +162,7 @@ impl State {
             Claimed {
                 id: id.clone(),
                 repeat: None,
+                head: None,
             },
         );
         self.reindex(&id, None, Some(Indexed::of(&record)));
@@ -320,7 +325,10 @@ impl JobStore for MemoryStore {
         let state = self.lock();
         let (claimed, live) = state.live(identity, now)?;
         // `settled` is an answer only for a succeeded job whose body was kept.
-        Some((claimed.repeat?, live.settled()?))
+        let repeat = claimed.repeat?;
+        let mut settled = live.settled()?;
+        settled.head.clone_from(&claimed.head);
+        Some((repeat, settled))
     }
 
     fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
@@ -328,6 +336,7 @@ impl JobStore for MemoryStore {
         if let Some(claimed) = state.by_key.get_mut(identity) {
             if &*claimed.id == job_id {
                 claimed.repeat = Some(repeat);
+                claimed.head.get_or_insert_with(ReplayHead::default);
             }
         }
     }
@@ -600,6 +609,15 @@ mod tests {
             .peek_repeat(&key, now)
             .expect("a succeeded job's answer");
         assert_eq!((repeat, settled.job_id.as_str()), ([7; 32], "job_000004"));
+        let head = settled.head.expect("a place for the replays' headers");
+        head.set(http::HeaderMap::new()).unwrap();
+        let (_, again) = store.peek_repeat(&key, now).unwrap();
+        assert!(
+            again
+                .head
+                .is_some_and(|h| std::sync::Arc::ptr_eq(&h, &head)),
+            "every replay of the job shares its headers"
+        );
         store.remember_repeat(&key, "job_999999", [8; 32]);
         assert_eq!(
             store.peek_repeat(&key, now).map(|(r, _)| r),
@@ -622,7 +640,7 @@ mod tests {
             .lock()
             .by_key
             .get(&key)
-            .is_some_and(|c| c.repeat.is_none()));
+            .is_some_and(|c| c.repeat.is_none() && c.head.is_none()));
     }
 
     /// A tick removes every job that is due, however many slices that takes, and nothing
