@@ -329,8 +329,36 @@ mod profile {
                 })
                 .collect::<String>()
         };
+        // Who calls the largest self costs (memcpy, malloc, a system call): the first frame
+        // below each sample's innermost function that is another function.
+        let mut by_self: Vec<_> = own.iter().map(|(name, n)| (name.clone(), *n)).collect();
+        by_self.sort_by(|a, b| b.1.cmp(&a.1));
+        let mut callers = String::new();
+        for (name, n) in by_self.iter().take(8) {
+            let mut of: HashMap<String, isize> = HashMap::new();
+            for (frames, &count) in &report.data {
+                let mut symbols = frames.frames.iter().flatten().map(|s| s.name());
+                if symbols.next().as_ref() != Some(name) {
+                    continue;
+                }
+                let caller = symbols.find(|s| s != name).unwrap_or_default();
+                *of.entry(caller).or_default() += count;
+            }
+            let mut of: Vec<_> = of.into_iter().collect();
+            of.sort_by(|a, b| b.1.cmp(&a.1));
+            callers.push_str(&format!(
+                "{:6.2}%  {name}\n",
+                *n as f64 * 100.0 / total.max(1) as f64
+            ));
+            for (caller, m) in of.iter().take(6) {
+                callers.push_str(&format!(
+                    "          {:6.2}%  {caller}\n",
+                    *m as f64 * 100.0 / total.max(1) as f64
+                ));
+            }
+        }
         format!(
-            "{total} samples\n\nself:\n{}\ninclusive:\n{}",
+            "{total} samples\n\nself:\n{}\ninclusive:\n{}\ncallers of the largest self costs:\n{callers}",
             table(own),
             table(inclusive)
         )
