@@ -23,11 +23,12 @@ pub(super) fn respond(outcome: Outcome, store: &std::sync::Arc<dyn JobStore>) ->
             head,
         } => match head {
             Some(head) => {
+                // Kept as a clone, which is sized to its headers: the map an answer is built
+                // in has room reserved for more.
                 let headers = head.get_or_init(|| {
                     answer(job_id.as_deref(), &response, Some((n, &provider)), replayed)
-                        .into_parts()
-                        .0
-                        .headers
+                        .headers()
+                        .clone()
                 });
                 let mut response = with_body(&response);
                 *response.headers_mut() = headers.clone();
