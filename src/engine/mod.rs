@@ -428,7 +428,9 @@ impl Engine {
     ///
     /// Boxed: waiting on a job in flight is the largest state a submission can be in, and
     /// held inline it made every submission's future — a new job's, a replay's — 4 152
-    /// bytes, created and moved on every request (memcpy was 5 % of a new job's samples).
+    /// bytes instead of 1 168, created and moved on every request (memcpy, 5 % of a new
+    /// job's samples, the largest cost after the kernel's; the request path's boxed future
+    /// alone was 0.9 %).
     fn existing<'a>(
         self: &'a Arc<Self>,
         route: Arc<Route>,

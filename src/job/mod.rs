@@ -316,10 +316,11 @@ pub struct Settled {
 }
 
 /// The headers of a job's replays — the provider's, then the gateway's — made by the first
-/// replay and cloned by each later one. They depend only on the settled job, so a store
-/// keeps one per job it has replayed (the memory store, beside the repeat digest): making
-/// them parses, validates and hashes every header of the answer again, the largest part
-/// of a replay's own work after hashing the request.
+/// replay a store hands the place to, and cloned by each later one. They depend only on the
+/// settled job, so a store may keep them per job (the memory store does, beside the repeat
+/// digest, from a job's second replay on): making them parses, validates and hashes every
+/// header of the answer again, the largest part of a replay's own work after hashing the
+/// request.
 pub type ReplayHead = std::sync::Arc<std::sync::OnceLock<http::HeaderMap>>;
 
 impl JobRecord {

@@ -49,7 +49,8 @@ struct State {
 struct Claimed {
     id: Id,
     repeat: Option<[u8; 32]>,
-    /// The headers of the job's replays, made by the first (`Settled::head`).
+    /// Where the headers of the job's replays are kept (`Settled::head`): made with the
+    /// repeat digest, filled by the replay after.
     head: Option<ReplayHead>,
 }
 
