@@ -195,6 +195,47 @@ async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
     );
 }
 
+/// After a keep-alive pause long enough for the connection's timers to settle on its idle
+/// deadline, a slow head is still cut off `request_header_timeout` after its first byte,
+/// not at the idle deadline further away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_head_after_a_keep_alive_pause_is_cut_off_at_the_header_timeout() {
+    let provider = answering(completion()).await;
+    let config = edge_config(
+        &provider.uri(),
+        "request_header_timeout = \"1s\"\nidle_timeout = \"10s\"",
+    );
+    let gw = TestGateway::start(&config).await;
+    let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
+    stream
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nContent-Length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = bounded("the answer", stream.read(&mut buf)).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 400"));
+    // Past the first head's deadline: the timers now wait for the idle one, 10 s away.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stream
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let (read, closed) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+    let after = closed
+        .expect("the slow head's connection is closed")
+        .duration_since(started);
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(3),
+        "closed {after:?} after the head began"
+    );
+    assert!(
+        String::from_utf8_lossy(&read).starts_with("HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&read)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ninth_request_in_flight_is_shed_before_anything_is_claimed() {
     let mut provider = HeldProvider::start().await;
