@@ -170,21 +170,27 @@ async fn a_stalled_body_gets_408_and_a_closed_connection_and_reaches_no_one() {
     assert_eq!(store.count_unknown().await.unwrap(), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
+/// A gateway with the `[server]` lines `server`, and a keep-alive connection to it that
+/// has had one answer: a keyless request on the chat route, which the gateway answers
+/// itself (400).
+async fn answered_once(server: &str) -> (TestGateway, TcpStream) {
     let provider = answering(completion()).await;
-    let config = edge_config(&provider.uri(), "idle_timeout = \"1s\"");
-    let gw = TestGateway::start(&config).await;
+    let gw = TestGateway::start(&edge_config(&provider.uri(), server)).await;
     let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
-    // A keyless request on the chat route: the gateway answers it itself (400).
     stream
         .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nContent-Length: 2\r\n\r\n{}")
         .await
         .unwrap();
     let mut buf = vec![0u8; 4096];
     let n = bounded("the answer", stream.read(&mut buf)).await.unwrap();
-    let answered = Instant::now();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 400"));
+    (gw, stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
+    let (_gw, mut stream) = answered_once("idle_timeout = \"1s\"").await;
+    let answered = Instant::now();
     let (_, closed) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
     let idle = closed
         .expect("the idle connection is closed")
@@ -200,20 +206,8 @@ async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
 /// not at the idle deadline further away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_head_after_a_keep_alive_pause_is_cut_off_at_the_header_timeout() {
-    let provider = answering(completion()).await;
-    let config = edge_config(
-        &provider.uri(),
-        "request_header_timeout = \"1s\"\nidle_timeout = \"10s\"",
-    );
-    let gw = TestGateway::start(&config).await;
-    let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
-    stream
-        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nContent-Length: 2\r\n\r\n{}")
-        .await
-        .unwrap();
-    let mut buf = vec![0u8; 4096];
-    let n = bounded("the answer", stream.read(&mut buf)).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 400"));
+    let (_gw, mut stream) =
+        answered_once("request_header_timeout = \"1s\"\nidle_timeout = \"10s\"").await;
     // Past the first head's deadline: the timers now wait for the idle one, 10 s away.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stream
