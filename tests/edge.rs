@@ -170,10 +170,10 @@ async fn a_stalled_body_gets_408_and_a_closed_connection_and_reaches_no_one() {
     assert_eq!(store.count_unknown().await.unwrap(), 0);
 }
 
-/// A gateway with the `[server]` lines `server`, and a keep-alive connection to it that
-/// has had one answer: a keyless request on the chat route, which the gateway answers
-/// itself (400).
-async fn answered_once(server: &str) -> (TestGateway, TcpStream) {
+/// A gateway with the `[server]` lines `server`, its provider, and a keep-alive connection
+/// to it that has had one answer: a keyless request on the chat route, which the gateway
+/// answers itself (400).
+async fn answered_once(server: &str) -> (TestGateway, wiremock::MockServer, TcpStream) {
     let provider = answering(completion()).await;
     let gw = TestGateway::start(&edge_config(&provider.uri(), server)).await;
     let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
@@ -184,12 +184,12 @@ async fn answered_once(server: &str) -> (TestGateway, TcpStream) {
     let mut buf = vec![0u8; 4096];
     let n = bounded("the answer", stream.read(&mut buf)).await.unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 400"));
-    (gw, stream)
+    (gw, provider, stream)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
-    let (_gw, mut stream) = answered_once("idle_timeout = \"1s\"").await;
+    let (_gw, _provider, mut stream) = answered_once("idle_timeout = \"1s\"").await;
     let answered = Instant::now();
     let (_, closed) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
     let idle = closed
@@ -206,7 +206,7 @@ async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
 /// not at the idle deadline further away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_head_after_a_keep_alive_pause_is_cut_off_at_the_header_timeout() {
-    let (_gw, mut stream) =
+    let (_gw, provider, mut stream) =
         answered_once("request_header_timeout = \"1s\"\nidle_timeout = \"10s\"").await;
     // Past the first head's deadline: the timers now wait for the idle one, 10 s away.
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -228,6 +228,7 @@ async fn a_slow_head_after_a_keep_alive_pause_is_cut_off_at_the_header_timeout()
         "{}",
         String::from_utf8_lossy(&read)
     );
+    assert_eq!(received(&provider).await, 0, "nothing reached the provider");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
