@@ -318,23 +318,24 @@ mod profile {
                 }
             }
         }
-        let table = |costs: HashMap<String, isize>| {
+        let share = |n: isize| n as f64 * 100.0 / total.max(1) as f64;
+        let sorted = |costs: HashMap<String, isize>| {
             let mut costs: Vec<_> = costs.into_iter().collect();
-            costs.sort_by(|a, b| b.1.cmp(&a.1));
+            costs.sort_by_key(|c| std::cmp::Reverse(c.1));
+            costs
+        };
+        let table = |costs: &[(String, isize)]| {
             costs
                 .iter()
                 .take(40)
-                .map(|(name, n)| {
-                    format!("{:6.2}%  {name}\n", *n as f64 * 100.0 / total.max(1) as f64)
-                })
+                .map(|(name, n)| format!("{:6.2}%  {name}\n", share(*n)))
                 .collect::<String>()
         };
+        let own = sorted(own);
         // Who calls the largest self costs (memcpy, malloc, a system call): the first frame
         // below each sample's innermost function that is another function.
-        let mut by_self: Vec<_> = own.iter().map(|(name, n)| (name.clone(), *n)).collect();
-        by_self.sort_by(|a, b| b.1.cmp(&a.1));
         let mut callers = String::new();
-        for (name, n) in by_self.iter().take(8) {
+        for (name, n) in own.iter().take(8) {
             let mut of: HashMap<String, isize> = HashMap::new();
             for (frames, &count) in &report.data {
                 let mut symbols = frames.frames.iter().flatten().map(|s| s.name());
@@ -344,23 +345,15 @@ mod profile {
                 let caller = symbols.find(|s| s != name).unwrap_or_default();
                 *of.entry(caller).or_default() += count;
             }
-            let mut of: Vec<_> = of.into_iter().collect();
-            of.sort_by(|a, b| b.1.cmp(&a.1));
-            callers.push_str(&format!(
-                "{:6.2}%  {name}\n",
-                *n as f64 * 100.0 / total.max(1) as f64
-            ));
-            for (caller, m) in of.iter().take(6) {
-                callers.push_str(&format!(
-                    "          {:6.2}%  {caller}\n",
-                    *m as f64 * 100.0 / total.max(1) as f64
-                ));
+            callers.push_str(&format!("{:6.2}%  {name}\n", share(*n)));
+            for (caller, m) in sorted(of).iter().take(6) {
+                callers.push_str(&format!("          {:6.2}%  {caller}\n", share(*m)));
             }
         }
         format!(
             "{total} samples\n\nself:\n{}\ninclusive:\n{}\ncallers of the largest self costs:\n{callers}",
-            table(own),
-            table(inclusive)
+            table(&own),
+            table(&sorted(inclusive))
         )
     }
 
