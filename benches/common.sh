@@ -9,12 +9,27 @@ need() {
 
 work="$(mktemp -d)"
 pids=()
+halt_poll=/sys/module/haltpoll/parameters/guest_halt_poll_ns
+halt_poll_before=""
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  if [[ -n "$halt_poll_before" ]]; then echo "$halt_poll_before" >"$halt_poll"; fi
   rm -rf "$work"
 }
 trap cleanup EXIT
+
+# A KVM guest's idle loop (cpuidle-haltpoll): with guest_halt_poll_ns at 0 an idle core halts
+# at once, and waking it takes the host's interrupt, which at one client is most of a
+# request's cost for any proxy (README, Benchmarks). HALT_POLL_NS=<ns> sets it for the run
+# and puts the old value back at the end; either way the run says what it was.
+halt_poll_setting() {
+  if [[ -r "$halt_poll" ]]; then cat "$halt_poll"; else echo "none (no cpuidle-haltpoll)"; fi
+}
+if [[ -n "${HALT_POLL_NS:-}" ]]; then
+  halt_poll_before="$(cat "$halt_poll")"
+  echo "$HALT_POLL_NS" >"$halt_poll"
+fi
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
