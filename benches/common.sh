@@ -27,6 +27,10 @@ halt_poll_setting() {
   if [[ -r "$halt_poll" ]]; then cat "$halt_poll"; else echo "none (no cpuidle-haltpoll)"; fi
 }
 if [[ -n "${HALT_POLL_NS:-}" ]]; then
+  if [[ ! -w "$halt_poll" ]]; then
+    echo "HALT_POLL_NS needs cpuidle-haltpoll and root: $halt_poll cannot be written" >&2
+    exit 2
+  fi
   halt_poll_before="$(cat "$halt_poll")"
   echo "$HALT_POLL_NS" >"$halt_poll"
 fi
