@@ -104,9 +104,11 @@ measure() {
   # At one client the process sleeps between requests and each wakes it twice (a request, an
   # answer): what that costs shows in the CPU per request at c1 against that at c32, mostly
   # in its system part.
-  c1_cpu="$(per_request $((user2 - user1 + sys2 - sys1)) "$(field requests "$c1")")"
-  c1_user="$(per_request $((user2 - user1)) "$(field requests "$c1")")"
-  c1_sys="$(per_request $((sys2 - sys1)) "$(field requests "$c1")")"
+  local c1_requests c1_user c1_sys c1_cpu
+  c1_requests="$(field requests "$c1")"
+  c1_user="$(per_request $((user2 - user1)) "$c1_requests")"
+  c1_sys="$(per_request $((sys2 - sys1)) "$c1_requests")"
+  c1_cpu="$(awk -v u="$c1_user" -v s="$c1_sys" 'BEGIN{print u + s}')"
   rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys|$c1_cpu|$c1_user|$c1_sys")
   echo "measured: $name" >&2
 }
