@@ -42,10 +42,8 @@ use redb::{Database, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info};
 
-mod journal;
 mod tables;
 
-use self::journal::Journaled;
 use self::tables::Tables;
 use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse, Transition};
@@ -119,21 +117,15 @@ enum Op {
     },
 }
 
-/// Opens the file through its journal (replaying what a crash left there) and then as a
-/// database, with redb's assertions on a truncated file turned into an error: its checks run
-/// before it writes anything, so the file is left as it was. Returns the database and how
-/// many journal records were replayed.
-fn create(path: &Path) -> Result<(Database, usize), String> {
-    let (storage, replayed) = Journaled::open(path).map_err(|e| e.to_string())?;
+/// `Database::create`, with redb's assertions on a truncated file turned into an error: its
+/// checks run before it writes anything, so the file is left as it was.
+fn create(path: &Path) -> Result<Database, String> {
     let quiet = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    // On a panic the storage is dropped unsynced: what redb wrote never reaches the file.
-    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        redb::Builder::new().create_with_backend(storage)
-    }));
+    let opened = std::panic::catch_unwind(|| Database::create(path));
     std::panic::set_hook(quiet);
     match opened {
-        Ok(Ok(db)) => Ok((db, replayed)),
+        Ok(Ok(db)) => Ok(db),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err("the file is truncated or damaged".into()),
     }
@@ -150,10 +142,7 @@ impl EmbeddedStore {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| fail("cannot create its directory", &e))?;
         }
-        let (db, replayed) = create(path).map_err(|e| fail("cannot open it as a database", &e))?;
-        if replayed > 0 {
-            info!(path = %shown, commits = replayed, "embedded store: replayed its journal");
-        }
+        let db = create(path).map_err(|e| fail("cannot open it as a database", &e))?;
         let txn = db
             .begin_write()
             .map_err(|e| fail("cannot write to it", &e))?;
