@@ -42,6 +42,17 @@ cpu_ticks() {
   awk '{print $14 + $16, $15 + $17}' "/proc/$1/stat"
 }
 hz="$(getconf CLK_TCK)"
+# thread_ticks PID NAME: "user system" of the process's threads called NAME, in clock ticks.
+thread_ticks() {
+  local task user=0 sys=0
+  for task in /proc/"$1"/task/*; do
+    if [[ "$(cat "$task/comm" 2>/dev/null)" == "$2" ]]; then
+      read -r u s < <(awk '{print $14, $15}' "$task/stat")
+      user=$((user + u)) sys=$((sys + s))
+    fi
+  done
+  echo "$user $sys"
+}
 
 export BODY_FILE="$PWD/tests/fixtures/openai-chat-request.json"
 # A request of the size a conversation reaches (the fixture is one short message): a system
@@ -90,11 +101,15 @@ measure() {
   local name="$1" url="$2" mode="$3" pid="$4"
   local user0 sys0 user1 sys1 user2 sys2 c32 c1 warm
   warm="$(run_wrk "$url" "$mode" 32 2)"
+  local t_user0 t_sys0 t_user1 t_sys1 t_user2 t_sys2
   read -r user0 sys0 < <(cpu_ticks "$pid")
+  [[ -n "${watch_thread:-}" ]] && read -r t_user0 t_sys0 < <(thread_ticks "$pid" "$watch_thread")
   c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
   read -r user1 sys1 < <(cpu_ticks "$pid")
+  [[ -n "${watch_thread:-}" ]] && read -r t_user1 t_sys1 < <(thread_ticks "$pid" "$watch_thread")
   c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
   read -r user2 sys2 < <(cpu_ticks "$pid")
+  [[ -n "${watch_thread:-}" ]] && read -r t_user2 t_sys2 < <(thread_ticks "$pid" "$watch_thread")
   local requests per_request user sys
   requests="$(field requests "$c32")"
   measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
@@ -109,6 +124,9 @@ measure() {
   c1_user="$(per_request $((user2 - user1)) "$c1_requests")"
   c1_sys="$(per_request $((sys2 - sys1)) "$c1_requests")"
   c1_cpu="$(awk -v u="$c1_user" -v s="$c1_sys" 'BEGIN{print u + s}')"
+  if [[ -n "${watch_thread:-}" ]]; then
+    thread_note="$name: thread $watch_thread $(per_request $((t_user1 - t_user0)) "$requests")+$(per_request $((t_sys1 - t_sys0)) "$requests") µs user+system per request at 32 clients, $(per_request $((t_user2 - t_user1)) "$c1_requests")+$(per_request $((t_sys2 - t_sys1)) "$c1_requests") at one"
+  fi
   rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys|$c1_cpu|$c1_user|$c1_sys")
   echo "measured: $name" >&2
 }
@@ -213,7 +231,7 @@ if [[ " $STORES " == *" embedded "* ]]; then
   # file (strace: one commit per 4.5 new jobs, 4.5 page writes per job; copy-on-write B-tree
   # pages, the claims index's random leaves among them) in one fdatasync; and as many pages
   # side by side, for comparison.
-  read -r fsync_p50 scattered_p50 contiguous_p50 < <(python3 - "$work" <<'PY'
+  read -r fsync_p50 scattered_p50 contiguous_p50 scattered_cpu < <(python3 - "$work" <<'PY'
 import os, random, sys, time
 path = os.path.join(sys.argv[1], "fsync-probe")
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -232,6 +250,17 @@ def p50(rounds, offsets):
         took.append(time.perf_counter() - t)
     return int(sorted(took)[len(took) // 2] * 1e6)
 
+def system_cpu(rounds, offsets):
+    # The kernel's CPU for the writes and the sync, per round: work on the writer's core,
+    # not time spent waiting for the disk.
+    data = [os.urandom(4096) for _ in range(19)]
+    before = os.times().system
+    for _ in range(rounds):
+        for n, page in enumerate(offsets()):
+            os.pwrite(fd, data[n], page * 4096)
+        os.fdatasync(fd)
+    return int((os.times().system - before) / rounds * 1e6)
+
 def side_by_side():
     first = random.randrange(pages - 19)
     return range(first, first + 19)
@@ -239,9 +268,10 @@ def side_by_side():
 one = p50(200, lambda: [random.randrange(16)])
 scattered = p50(60, lambda: random.sample(range(pages), 19))
 contiguous = p50(60, side_by_side)
+scattered_cpu = system_cpu(100, lambda: random.sample(range(pages), 19))
 os.close(fd)
 os.unlink(path)
-print(one, scattered, contiguous)
+print(one, scattered, contiguous, scattered_cpu)
 PY
 )
 fi
@@ -281,7 +311,10 @@ for store in $STORES; do
   start_gateway "$gateway_bin" "$store"
   rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
   if [[ "$store" == redis ]]; then redis-cli -p "$redis_port" config resetstat >/dev/null; fi
+  # The embedded store's commits run on its writer thread: its share of a new job's CPU.
+  if [[ "$store" == embedded ]]; then watch_thread=idemgate-store; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  if [[ "$store" == embedded ]]; then watch_thread= embedded_note="$thread_note"; fi
   if [[ "$store" == redis ]]; then
     # Redis's own time in the store's scripts (claim, settle), which the round trips of the
     # Redis target leave out: each script is several commands, each a few µs on this host.
@@ -406,7 +439,7 @@ done
 # idempotency proxy) measured 5.68 × nginx's CPU per new job on Redis in an earlier run on
 # this kind of machine; the Redis CPU target is 0.8 × that ratio.
 echo
-awk -F'|' -v mean="$nginx_mean" -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v scattered="${scattered_p50:-}" -v contiguous="${contiguous_p50:-}" '
+awk -F'|' -v mean="$nginx_mean" -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v scattered="${scattered_p50:-}" -v contiguous="${contiguous_p50:-}" -v scattered_cpu="${scattered_cpu:-}" '
 { name[NR] = $1; cpu[NR] = $2; rps[NR] = $3; p99[NR] = $4; p50[NR] = $5; cpu1[NR] = $9; sys1[NR] = $11; row[$1] = NR }
 function find(pattern, from,   i) { for (i = from ? from : 1; i <= NR; i++) if (index(name[i], pattern)) return i; return 0 }
 function verdict(ok) { return ok ? "met" : "not met" }
@@ -468,7 +501,8 @@ END {
     if (memory) printf "new job, embedded: %.2f × the memory store'"'"'s req/s (target ≥ 0.5): %s", rps[i] / rps[memory], verdict(rps[i] >= 0.5 * rps[memory])
     if (fsync != "") printf "; added p50 +%d µs (target ≤ one fsync, %d µs, + 150 = %d µs): %s", p50[i] - p50[direct], fsync, fsync + 150, verdict(p50[i] - p50[direct] <= fsync + 150)
     printf "\n"
-    if (scattered != "") printf "disk: fdatasync of one 4 KiB page %d µs; of 19 scattered pages (about one embedded group commit) %d µs; of 19 side by side %d µs\n", fsync, scattered, contiguous
+    if (scattered != "") printf "disk: fdatasync of one 4 KiB page %d µs; of 19 scattered pages (about one embedded group commit) %d µs, writing and syncing them %d µs of system CPU; of 19 side by side %d µs\n", fsync, scattered, scattered_cpu, contiguous
   }
 }' < <(printf '%s\n' "${rows[@]}")
 if [[ -n "${redis_note:-}" ]]; then echo "$redis_note"; fi
+if [[ -n "${embedded_note:-}" ]]; then echo "$embedded_note"; fi
