@@ -44,7 +44,7 @@ cpu_ticks() {
 hz="$(getconf CLK_TCK)"
 # thread_ticks PID NAME: "user system" of the process's threads called NAME, in clock ticks.
 thread_ticks() {
-  local task user=0 sys=0
+  local task u s user=0 sys=0
   for task in /proc/"$1"/task/*; do
     if [[ "$(cat "$task/comm" 2>/dev/null)" == "$2" ]]; then
       read -r u s < <(awk '{print $14, $15}' "$task/stat")
@@ -314,7 +314,10 @@ for store in $STORES; do
   # The embedded store's commits run on its writer thread: its share of a new job's CPU.
   if [[ "$store" == embedded ]]; then watch_thread=idemgate-store; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-  if [[ "$store" == embedded ]]; then watch_thread= embedded_note="$thread_note"; fi
+  if [[ "$store" == embedded ]]; then
+    embedded_note="$thread_note"
+    watch_thread=
+  fi
   if [[ "$store" == redis ]]; then
     # Redis's own time in the store's scripts (claim, settle), which the round trips of the
     # Redis target leave out: each script is several commands, each a few µs on this host.
