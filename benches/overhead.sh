@@ -95,21 +95,21 @@ run_wrk() {
 field() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$2"; }
 
 rows=()
-# measure NAME URL KEY_MODE PID: a warm-up, the c32 run and the c1 run, each with CPU
-# accounting.
+# measure NAME URL KEY_MODE PID [THREAD]: a warm-up, the c32 run and the c1 run, each with CPU
+# accounting; with THREAD, also that of the threads so named, left in $thread_note.
 measure() {
-  local name="$1" url="$2" mode="$3" pid="$4"
+  local name="$1" url="$2" mode="$3" pid="$4" watch_thread="${5:-}"
   local user0 sys0 user1 sys1 user2 sys2 c32 c1 warm
   warm="$(run_wrk "$url" "$mode" 32 2)"
   local t_user0 t_sys0 t_user1 t_sys1 t_user2 t_sys2
   read -r user0 sys0 < <(cpu_ticks "$pid")
-  [[ -n "${watch_thread:-}" ]] && read -r t_user0 t_sys0 < <(thread_ticks "$pid" "$watch_thread")
+  [[ -n "$watch_thread" ]] && read -r t_user0 t_sys0 < <(thread_ticks "$pid" "$watch_thread")
   c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
   read -r user1 sys1 < <(cpu_ticks "$pid")
-  [[ -n "${watch_thread:-}" ]] && read -r t_user1 t_sys1 < <(thread_ticks "$pid" "$watch_thread")
+  [[ -n "$watch_thread" ]] && read -r t_user1 t_sys1 < <(thread_ticks "$pid" "$watch_thread")
   c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
   read -r user2 sys2 < <(cpu_ticks "$pid")
-  [[ -n "${watch_thread:-}" ]] && read -r t_user2 t_sys2 < <(thread_ticks "$pid" "$watch_thread")
+  [[ -n "$watch_thread" ]] && read -r t_user2 t_sys2 < <(thread_ticks "$pid" "$watch_thread")
   local requests per_request user sys
   requests="$(field requests "$c32")"
   measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
@@ -124,7 +124,7 @@ measure() {
   c1_user="$(per_request $((user2 - user1)) "$c1_requests")"
   c1_sys="$(per_request $((sys2 - sys1)) "$c1_requests")"
   c1_cpu="$(awk -v u="$c1_user" -v s="$c1_sys" 'BEGIN{print u + s}')"
-  if [[ -n "${watch_thread:-}" ]]; then
+  if [[ -n "$watch_thread" ]]; then
     thread_note="$name: thread $watch_thread $(per_request $((t_user1 - t_user0)) "$requests")+$(per_request $((t_sys1 - t_sys0)) "$requests") µs user+system per request at 32 clients, $(per_request $((t_user2 - t_user1)) "$c1_requests")+$(per_request $((t_sys2 - t_sys1)) "$c1_requests") at one"
   fi
   rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys|$c1_cpu|$c1_user|$c1_sys")
@@ -232,7 +232,7 @@ if [[ " $STORES " == *" embedded "* ]]; then
   # pages, the claims index's random leaves among them) in one fdatasync; and as many pages
   # side by side, for comparison.
   read -r fsync_p50 scattered_p50 contiguous_p50 scattered_cpu < <(python3 - "$work" <<'PY'
-import os, random, sys, time
+import os, random, resource, sys, time
 path = os.path.join(sys.argv[1], "fsync-probe")
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 pages = 16384  # 64 MiB, written once first, so that no write below allocates blocks
@@ -240,35 +240,29 @@ for i in range(0, pages, 256):
     os.pwrite(fd, bytes(256 * 4096), i * 4096)
 os.fsync(fd)
 
-def p50(rounds, offsets):
-    took = []
+def sync_cost(rounds, offsets):
+    """The p50 of the fdatasync after writing `offsets()`, and the kernel's CPU for the
+    writes and the sync, mean per round, both in µs: the latter is work on the writer's
+    core, not time spent waiting for the disk."""
+    took, system = [], 0.0
     for _ in range(rounds):
-        for page in offsets():
-            os.pwrite(fd, os.urandom(4096), page * 4096)
+        writes = [(os.urandom(4096), page * 4096) for page in offsets()]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        for data, at in writes:
+            os.pwrite(fd, data, at)
         t = time.perf_counter()
         os.fdatasync(fd)
         took.append(time.perf_counter() - t)
-    return int(sorted(took)[len(took) // 2] * 1e6)
-
-def system_cpu(rounds, offsets):
-    # The kernel's CPU for the writes and the sync, per round: work on the writer's core,
-    # not time spent waiting for the disk.
-    data = [os.urandom(4096) for _ in range(19)]
-    before = os.times().system
-    for _ in range(rounds):
-        for n, page in enumerate(offsets()):
-            os.pwrite(fd, data[n], page * 4096)
-        os.fdatasync(fd)
-    return int((os.times().system - before) / rounds * 1e6)
+        system += resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
+    return int(sorted(took)[len(took) // 2] * 1e6), int(system / rounds * 1e6)
 
 def side_by_side():
     first = random.randrange(pages - 19)
     return range(first, first + 19)
 
-one = p50(200, lambda: [random.randrange(16)])
-scattered = p50(60, lambda: random.sample(range(pages), 19))
-contiguous = p50(60, side_by_side)
-scattered_cpu = system_cpu(100, lambda: random.sample(range(pages), 19))
+one, _ = sync_cost(200, lambda: [random.randrange(16)])
+scattered, scattered_cpu = sync_cost(60, lambda: random.sample(range(pages), 19))
+contiguous, _ = sync_cost(60, side_by_side)
 os.close(fd)
 os.unlink(path)
 print(one, scattered, contiguous, scattered_cpu)
@@ -312,12 +306,10 @@ for store in $STORES; do
   rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
   if [[ "$store" == redis ]]; then redis-cli -p "$redis_port" config resetstat >/dev/null; fi
   # The embedded store's commits run on its writer thread: its share of a new job's CPU.
-  if [[ "$store" == embedded ]]; then watch_thread=idemgate-store; fi
-  measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-  if [[ "$store" == embedded ]]; then
-    embedded_note="$thread_note"
-    watch_thread=
-  fi
+  writer=""
+  if [[ "$store" == embedded ]]; then writer=idemgate-store; fi
+  measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw" "$writer"
+  if [[ "$store" == embedded ]]; then embedded_note="$thread_note"; fi
   if [[ "$store" == redis ]]; then
     # Redis's own time in the store's scripts (claim, settle), which the round trips of the
     # Redis target leave out: each script is several commands, each a few µs on this host.
