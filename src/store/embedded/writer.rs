@@ -1,0 +1,442 @@
+//! The embedded store's two threads: the writer, which turns each group of queued
+//! operations into journal frames, syncs them and answers, and the checkpointer, which
+//! brings the tables in the database file up to date with what the journal holds.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{error, warn};
+
+use super::journal::{Journal, Segment};
+use super::overlay::Staged;
+use super::{claim_key, millis, Applied, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY};
+use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
+
+/// Most operations in one group.
+const MAX_GROUP: usize = 512;
+/// Most expired jobs one sweep operation deletes. A deletion is a lookup and a small frame,
+/// so a batch adds well under a millisecond to the group it shares.
+pub(super) const SWEEP_LIMIT: usize = 256;
+/// A checkpoint is started once the active journal file holds this much…
+const CHECKPOINT_BYTES: u64 = 8 << 20;
+/// …or this long after the last one, if anything was written since. Each checkpoint is one
+/// transaction on the tables: the longer apart, the more of a job's writes (its claim, its
+/// settle) it folds into one, and the more page writes it shares between jobs; the overlay
+/// holds what it has not taken yet.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// One write, queued for the writer thread.
+pub(super) enum Op {
+    Claim {
+        record: Box<JobRecord>,
+        now: SystemTime,
+        reply: oneshot::Sender<Result<Claim, StoreError>>,
+    },
+    Apply {
+        id: JobId,
+        transition: Transition,
+        now: SystemTime,
+        reply: oneshot::Sender<Result<Applied, StoreError>>,
+    },
+    Sweep {
+        now: SystemTime,
+        reply: oneshot::Sender<Result<usize, StoreError>>,
+    },
+    /// Answered once the tables hold every change made before it.
+    Checkpoint {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+    /// Stops the writer as a crash would, between two groups: no last checkpoint, the
+    /// journal left as it is.
+    #[cfg(test)]
+    Crash,
+}
+
+impl Op {
+    fn fail(self, e: StoreError) {
+        match self {
+            Self::Claim { reply, .. } => drop(reply.send(Err(e))),
+            Self::Apply { reply, .. } => drop(reply.send(Err(e))),
+            Self::Sweep { reply, .. } => drop(reply.send(Err(e))),
+            Self::Checkpoint { reply } => drop(reply.send(Err(e))),
+            #[cfg(test)]
+            Self::Crash => {}
+        }
+    }
+}
+
+/// A change as the journal holds it: a job's whole new record (its answer included), or
+/// its deletion. Each frame sets what it names outright, so frames applied again over
+/// tables that already hold them leave the same tables.
+#[derive(Deserialize)]
+pub(super) enum Change {
+    Put(JobRecord),
+    Delete(JobId),
+}
+
+/// [`Change`] as it is written, borrowing the record: the same encoding.
+#[derive(Serialize)]
+enum ChangeRef<'a> {
+    Put(&'a JobRecord),
+    Delete(&'a str),
+}
+
+/// An operation's result, held until the group's frames are synced.
+enum Done {
+    Claim(
+        oneshot::Sender<Result<Claim, StoreError>>,
+        Result<Claim, StoreError>,
+    ),
+    Apply(
+        oneshot::Sender<Result<Applied, StoreError>>,
+        Result<Applied, StoreError>,
+    ),
+    Sweep(
+        oneshot::Sender<Result<usize, StoreError>>,
+        Result<usize, StoreError>,
+    ),
+}
+
+impl Done {
+    fn send(self) {
+        match self {
+            Self::Claim(reply, r) => drop(reply.send(r)),
+            Self::Apply(reply, r) => drop(reply.send(r)),
+            Self::Sweep(reply, r) => drop(reply.send(r)),
+        }
+    }
+
+    /// The group was not made durable: every operation in it fails as a whole.
+    fn fail(self, e: StoreError) {
+        match self {
+            Self::Claim(reply, _) => drop(reply.send(Err(e))),
+            Self::Apply(reply, _) => drop(reply.send(Err(e))),
+            Self::Sweep(reply, _) => drop(reply.send(Err(e))),
+        }
+    }
+}
+
+/// One group being built: its changes, seen by the operations after them in the group but
+/// by no one else until they are synced.
+struct Group<'a> {
+    shared: &'a Shared,
+    journal: &'a mut Journal,
+    staged: Staged,
+    /// Jobs whose waiters are woken once the group is durable.
+    touched: Vec<JobId>,
+}
+
+impl Group<'_> {
+    fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        match self.staged.jobs.get(id) {
+            Some(version) => Ok(version.as_deref().cloned()),
+            None => self.shared.job(id),
+        }
+    }
+
+    fn claimed(&self, key: &[u8]) -> Result<Option<JobId>, StoreError> {
+        match self.staged.claims.get(key) {
+            Some(id) => Ok(id.clone()),
+            None => self.shared.claimed(key),
+        }
+    }
+
+    fn put(&mut self, record: JobRecord) {
+        self.journal
+            .frame(|buf| super::encode_into(&ChangeRef::Put(&record), buf));
+        self.touched.push(record.job.id.clone());
+        self.staged
+            .jobs
+            .insert(record.job.id.clone(), Some(Arc::new(record)));
+    }
+
+    fn delete(&mut self, record: &JobRecord) -> Result<(), StoreError> {
+        let id = record.job.id.as_str();
+        let key = claim_key(record);
+        if self.claimed(&key)?.as_deref() == Some(id) {
+            self.staged.claims.insert(key, None);
+        }
+        self.journal
+            .frame(|buf| super::encode_into(&ChangeRef::Delete(id), buf));
+        self.staged.jobs.insert(id.to_owned(), None);
+        self.touched.push(id.to_owned());
+        Ok(())
+    }
+
+    fn claim(&mut self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let key = claim_key(&record);
+        if let Some(id) = self.claimed(&key)? {
+            let found = self.job(&id)?;
+            match (JobRecord::claim_rule(found.as_ref(), now), found) {
+                (ClaimRule::Keep, Some(found)) => return Ok(Claim::Existing(found)),
+                (ClaimRule::Replace, Some(expired)) => self.delete(&expired)?,
+                _ => {}
+            }
+        }
+        self.staged.claims.insert(key, Some(record.job.id.clone()));
+        self.put(record.clone());
+        Ok(Claim::Created(record))
+    }
+
+    fn apply(
+        &mut self,
+        id: &str,
+        transition: Transition,
+        now: SystemTime,
+        policy: &ExpiryPolicy,
+    ) -> Result<Applied, StoreError> {
+        let mut record = self
+            .job(id)?
+            .ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let outcome = record.apply(transition, now, policy);
+        if outcome.is_ok() {
+            self.put(record.clone());
+        }
+        Ok(Applied { outcome, record })
+    }
+
+    /// Deletes up to [`SWEEP_LIMIT`] jobs due at `now`, found through the file's expiry
+    /// index; returns how many, so a batch short of the limit is the last one due. Jobs
+    /// the overlay changed are judged by their latest version: one deleted already, or
+    /// given a later expiry, is passed over.
+    fn sweep(&mut self, now: SystemTime) -> Result<usize, StoreError> {
+        let due: Vec<String> = {
+            let txn = self
+                .shared
+                .db
+                .begin_read()
+                .map_err(|e| self.shared.unavailable(e))?;
+            let expiry = txn
+                .open_table(EXPIRY)
+                .map_err(|e| self.shared.unavailable(e))?;
+            let overridden = self.shared.overlay().len() + self.staged.jobs.len();
+            let range = expiry
+                .range((0, "")..(millis(now), ""))
+                .map_err(|e| self.shared.unavailable(e))?;
+            range
+                .take(SWEEP_LIMIT + overridden)
+                .map(|entry| {
+                    entry
+                        .map(|(k, _)| k.value().1.to_owned())
+                        .map_err(|e| self.shared.unavailable(e))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let mut removed = 0;
+        for id in due {
+            if let Some(record) = self.job(&id)? {
+                if record.is_expired(now) {
+                    self.delete(&record)?;
+                    removed += 1;
+                    if removed == SWEEP_LIMIT {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    fn run(&mut self, op: Op, policy: &ExpiryPolicy) -> Done {
+        match op {
+            Op::Claim { record, now, reply } => Done::Claim(reply, self.claim(*record, now)),
+            Op::Apply {
+                id,
+                transition,
+                now,
+                reply,
+            } => Done::Apply(reply, self.apply(&id, transition, now, policy)),
+            Op::Sweep { now, reply } => Done::Sweep(reply, self.sweep(now)),
+            Op::Checkpoint { .. } => unreachable!("checkpoints are not part of a group"),
+            #[cfg(test)]
+            Op::Crash => unreachable!("a crash is not part of a group"),
+        }
+    }
+}
+
+/// What the writer hands the checkpointer.
+pub(super) struct Request {
+    /// The journal file the writer moved away from, and what to reset it to once the
+    /// tables hold its frames.
+    retire: Option<(Arc<Segment>, u64)>,
+    replies: Vec<oneshot::Sender<Result<(), StoreError>>>,
+}
+
+/// The writer thread's state beyond the queue.
+pub(super) struct Writer {
+    pub(super) shared: Arc<Shared>,
+    pub(super) journal: Journal,
+    pub(super) changed: Arc<Changes>,
+    pub(super) policy: ExpiryPolicy,
+    pub(super) stats: Arc<CommitStats>,
+}
+
+impl Writer {
+    /// Runs until the queue closes, then checkpoints everything and empties the journal,
+    /// so a cleanly closed store is whole in its database file.
+    pub(super) fn run(mut self, mut queue: mpsc::UnboundedReceiver<Op>) {
+        let (requests, incoming) = std::sync::mpsc::channel::<Request>();
+        // Set while a retired journal file waits for its checkpoint: the writer cannot move
+        // back to it before it is reset.
+        let busy = Arc::new(AtomicBool::new(false));
+        let checkpointer = {
+            let shared = self.shared.clone();
+            let busy = busy.clone();
+            std::thread::Builder::new()
+                .name("idemgate-checkpoint".into())
+                .spawn(move || checkpoint_loop(&shared, incoming, &busy))
+        };
+        let checkpointer = match checkpointer {
+            Ok(thread) => thread,
+            Err(e) => {
+                error!(error = %e, "embedded store: cannot start its checkpointer");
+                let e = self.shared.unavailable("the checkpointer did not start");
+                while let Some(op) = queue.blocking_recv() {
+                    op.fail(e.clone());
+                }
+                return;
+            }
+        };
+        let mut last_checkpoint = Instant::now();
+        let mut ops = Vec::with_capacity(MAX_GROUP);
+        while let Some(first) = queue.blocking_recv() {
+            ops.push(first);
+            while ops.len() < MAX_GROUP {
+                match queue.try_recv() {
+                    Ok(op) => ops.push(op),
+                    Err(_) => break,
+                }
+            }
+            #[cfg(test)]
+            if let Some(at) = ops.iter().position(|op| matches!(op, Op::Crash)) {
+                ops.truncate(at);
+                let mut replies = Vec::new();
+                self.commit_group(&mut ops, &mut replies);
+                drop(requests);
+                let _ = checkpointer.join();
+                return;
+            }
+            let mut replies = Vec::new();
+            self.commit_group(&mut ops, &mut replies);
+            let written = self.journal.active_len() > 0;
+            let waited = last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
+            let due = self.journal.active_len() >= CHECKPOINT_BYTES || (written && waited);
+            let idle = !busy.load(Ordering::Acquire);
+            let retire = (idle && written && (due || !replies.is_empty())).then(|| {
+                busy.store(true, Ordering::Release);
+                self.journal.rotate()
+            });
+            // A checkpoint still running (or failed, to be retried) is asked again at most
+            // once per interval, however much is written meanwhile.
+            if retire.is_some() || !replies.is_empty() || (due && waited) {
+                last_checkpoint = Instant::now();
+                let _ = requests.send(Request { retire, replies });
+            }
+        }
+        // Closed: what is published goes to the tables, then the journal is emptied.
+        let (reply, done) = oneshot::channel();
+        let _ = requests.send(Request {
+            retire: None,
+            replies: vec![reply],
+        });
+        drop(requests);
+        let _ = checkpointer.join();
+        match done.blocking_recv() {
+            Ok(Ok(())) => {
+                if let Err(e) = self.journal.reset_all() {
+                    warn!(error = %e, "embedded store: journal not emptied at close; it is replayed at the next open");
+                }
+            }
+            _ => warn!(
+                "embedded store: last checkpoint failed; the journal is replayed at the next open"
+            ),
+        }
+    }
+
+    /// Runs `ops` as one group, syncs its frames, makes its changes visible and answers.
+    /// Checkpoint requests among them are handed back in `replies`.
+    fn commit_group(
+        &mut self,
+        ops: &mut Vec<Op>,
+        replies: &mut Vec<oneshot::Sender<Result<(), StoreError>>>,
+    ) {
+        let count = ops.len();
+        let mut group = Group {
+            shared: &self.shared,
+            journal: &mut self.journal,
+            staged: Staged::default(),
+            touched: Vec::new(),
+        };
+        let mut done = Vec::with_capacity(count);
+        for op in ops.drain(..) {
+            match op {
+                Op::Checkpoint { reply } => replies.push(reply),
+                op => done.push(group.run(op, &self.policy)),
+            }
+        }
+        let Group {
+            staged,
+            mut touched,
+            ..
+        } = group;
+        // A group that claims and starts a job wakes its waiters once.
+        touched.sort_unstable();
+        touched.dedup();
+        match self.journal.commit() {
+            Ok(()) => {
+                if !staged.is_empty() {
+                    self.shared.overlay().publish(staged);
+                }
+                use std::sync::atomic::Ordering::Relaxed;
+                self.stats.commits.fetch_add(1, Relaxed);
+                self.stats.operations.fetch_add(done.len() as u64, Relaxed);
+                for reply in done {
+                    reply.send();
+                }
+                for id in touched {
+                    self.changed.of(&id).notify_waiters();
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "embedded store: journal write failed");
+                let e = self.shared.unavailable(e);
+                for reply in done {
+                    reply.fail(e.clone());
+                }
+            }
+        }
+    }
+}
+
+/// The checkpointer thread: one checkpoint per request, in order.
+fn checkpoint_loop(
+    shared: &Shared,
+    requests: std::sync::mpsc::Receiver<Request>,
+    busy: &AtomicBool,
+) {
+    // A retired file whose checkpoint failed: reset after the next one that succeeds.
+    let mut pending: Option<(Arc<Segment>, u64)> = None;
+    for request in requests {
+        if let Some(retire) = request.retire {
+            pending = Some(retire);
+        }
+        let result = shared.checkpoint();
+        if let Err(e) = &result {
+            error!(error = %e, "embedded store: checkpoint failed; the journal keeps its changes");
+        } else if let Some((segment, start)) = pending.take() {
+            match segment.reset(start) {
+                Ok(()) => busy.store(false, Ordering::Release),
+                Err(e) => {
+                    error!(error = %e, "embedded store: journal file not reset; retried at the next checkpoint");
+                    pending = Some((segment, start));
+                }
+            }
+        }
+        for reply in request.replies {
+            let _ = reply.send(result.clone());
+        }
+    }
+}
