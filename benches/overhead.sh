@@ -7,6 +7,7 @@
 #                                    # also rows for a profile-guided build (scripts/pgo-build.sh)
 #     BEFORE_BIN=/tmp/idemgate-f6c9344 BEFORE_NAME=f6c9344 benches/overhead.sh
 #                                    # also rows for an earlier build, measured in the same run
+#                                    # (on the memory store; BEFORE_STORE=embedded for that one)
 #     HALT_POLL_NS=200000 benches/overhead.sh
 #                                    # a KVM guest's idle cores poll 200 µs before halting
 #                                    # (root; the old value is put back at the end)
@@ -95,21 +96,24 @@ run_wrk() {
 field() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$2"; }
 
 rows=()
-# measure NAME URL KEY_MODE PID [THREAD]: a warm-up, the c32 run and the c1 run, each with CPU
-# accounting; with THREAD, also that of the threads so named, left in $thread_note.
+# measure NAME URL KEY_MODE PID [THREADS]: a warm-up, the c32 run and the c1 run, each with CPU
+# accounting; with THREADS (thread names, comma-separated), also that of the threads so
+# named, left in $thread_note.
 measure() {
-  local name="$1" url="$2" mode="$3" pid="$4" watch_thread="${5:-}"
+  local name="$1" url="$2" mode="$3" pid="$4" watch_threads="${5:-}"
   local user0 sys0 user1 sys1 user2 sys2 c32 c1 warm
   warm="$(run_wrk "$url" "$mode" 32 2)"
-  local t_user0 t_sys0 t_user1 t_sys1 t_user2 t_sys2
+  local -a threads=() t0=() t1=() t2=()
+  local thread
+  [[ -n "$watch_threads" ]] && IFS=, read -r -a threads <<<"$watch_threads"
   read -r user0 sys0 < <(cpu_ticks "$pid")
-  [[ -n "$watch_thread" ]] && read -r t_user0 t_sys0 < <(thread_ticks "$pid" "$watch_thread")
+  for thread in "${threads[@]}"; do t0+=("$(thread_ticks "$pid" "$thread")"); done
   c32="$(run_wrk "$url" "$mode" 32 "$DURATION")"
   read -r user1 sys1 < <(cpu_ticks "$pid")
-  [[ -n "$watch_thread" ]] && read -r t_user1 t_sys1 < <(thread_ticks "$pid" "$watch_thread")
+  for thread in "${threads[@]}"; do t1+=("$(thread_ticks "$pid" "$thread")"); done
   c1="$(run_wrk "$url" "$mode" 1 "$C1_DURATION")"
   read -r user2 sys2 < <(cpu_ticks "$pid")
-  [[ -n "$watch_thread" ]] && read -r t_user2 t_sys2 < <(thread_ticks "$pid" "$watch_thread")
+  for thread in "${threads[@]}"; do t2+=("$(thread_ticks "$pid" "$thread")"); done
   local requests per_request user sys
   requests="$(field requests "$c32")"
   measured_total=$(( $(field requests "$warm") + requests + $(field requests "$c1") ))
@@ -124,9 +128,15 @@ measure() {
   c1_user="$(per_request $((user2 - user1)) "$c1_requests")"
   c1_sys="$(per_request $((sys2 - sys1)) "$c1_requests")"
   c1_cpu="$(awk -v u="$c1_user" -v s="$c1_sys" 'BEGIN{print u + s}')"
-  if [[ -n "$watch_thread" ]]; then
-    thread_note="$name: thread $watch_thread $(per_request $((t_user1 - t_user0)) "$requests")+$(per_request $((t_sys1 - t_sys0)) "$requests") µs user+system per request at 32 clients, $(per_request $((t_user2 - t_user1)) "$c1_requests")+$(per_request $((t_sys2 - t_sys1)) "$c1_requests") at one"
-  fi
+  thread_note=""
+  local i u0 s0 u1 s1 u2 s2
+  for i in "${!threads[@]}"; do
+    read -r u0 s0 <<<"${t0[$i]}"
+    read -r u1 s1 <<<"${t1[$i]}"
+    read -r u2 s2 <<<"${t2[$i]}"
+    thread_note+="$name: thread ${threads[$i]} $(per_request $((u1 - u0)) "$requests")+$(per_request $((s1 - s0)) "$requests") µs user+system per request at 32 clients, $(per_request $((u2 - u1)) "$c1_requests")+$(per_request $((s2 - s1)) "$c1_requests") at one"$'\n'
+  done
+  thread_note="${thread_note%$'\n'}"
   rows+=("$name|$(awk -v u="$user" -v s="$sys" 'BEGIN{print u + s}')|$(field rps "$c32")|$(field p99 "$c32")|$(field p50 "$c1")|$(field errors "$c32")|$user|$sys|$c1_cpu|$c1_user|$c1_sys")
   echo "measured: $name" >&2
 }
@@ -226,46 +236,29 @@ if [[ " $STORES " == *" redis "* ]]; then
 fi
 if [[ " $STORES " == *" embedded "* ]]; then
   # One fsync of a 4 KiB write where the embedded store's file goes, p50 of 200, in µs: the
-  # embedded target is one fsync + 150 µs of added p50. Then what a group commit of the
-  # embedded store asks of the disk at 32 clients: about 19 pages of 4 KiB scattered over the
-  # file (strace: one commit per 4.5 new jobs, 4.5 page writes per job; copy-on-write B-tree
-  # pages, the claims index's random leaves among them) in one fdatasync; and as many pages
-  # side by side, for comparison.
-  read -r fsync_p50 scattered_p50 contiguous_p50 scattered_cpu < <(python3 - "$work" <<'PY'
-import os, random, resource, sys, time
+  # embedded target is one fsync + 150 µs of added p50. A group of the embedded store is one
+  # such write (a few KiB appended to its journal, over blocks the file already has) and one
+  # fdatasync; the kernel's CPU for each, on the writer's core, is what a group costs beside
+  # its own work, whatever it carries.
+  read -r fsync_p50 fsync_cpu < <(python3 - "$work" <<'PY'
+import os, resource, sys, time
 path = os.path.join(sys.argv[1], "fsync-probe")
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-pages = 16384  # 64 MiB, written once first, so that no write below allocates blocks
-for i in range(0, pages, 256):
-    os.pwrite(fd, bytes(256 * 4096), i * 4096)
+# Written once first, so that no write below allocates blocks.
+os.pwrite(fd, bytes(16 * 4096), 0)
 os.fsync(fd)
-
-def sync_cost(rounds, offsets):
-    """The p50 of the fdatasync after writing `offsets()`, and the kernel's CPU for the
-    writes and the sync, mean per round, both in µs: the latter is work on the writer's
-    core, not time spent waiting for the disk."""
-    took, system = [], 0.0
-    for _ in range(rounds):
-        writes = [(os.urandom(4096), page * 4096) for page in offsets()]
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-        for data, at in writes:
-            os.pwrite(fd, data, at)
-        t = time.perf_counter()
-        os.fdatasync(fd)
-        took.append(time.perf_counter() - t)
-        system += resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
-    return int(sorted(took)[len(took) // 2] * 1e6), int(system / rounds * 1e6)
-
-def side_by_side():
-    first = random.randrange(pages - 19)
-    return range(first, first + 19)
-
-one, _ = sync_cost(200, lambda: [random.randrange(16)])
-scattered, scattered_cpu = sync_cost(60, lambda: random.sample(range(pages), 19))
-contiguous, _ = sync_cost(60, side_by_side)
+took, system = [], 0.0
+for n in range(200):
+    data = os.urandom(4096)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    t = time.perf_counter()
+    os.pwrite(fd, data, (n % 16) * 4096)
+    os.fdatasync(fd)
+    took.append(time.perf_counter() - t)
+    system += resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
 os.close(fd)
 os.unlink(path)
-print(one, scattered, contiguous, scattered_cpu)
+print(int(sorted(took)[len(took) // 2] * 1e6), int(system / len(took) * 1e6))
 PY
 )
 fi
@@ -305,9 +298,10 @@ for store in $STORES; do
   start_gateway "$gateway_bin" "$store"
   rss_before="$(awk '/VmRSS/{print $2}' "/proc/$gw/status")"
   if [[ "$store" == redis ]]; then redis-cli -p "$redis_port" config resetstat >/dev/null; fi
-  # The embedded store's commits run on its writer thread: its share of a new job's CPU.
+  # The embedded store's work runs on two threads of its own, the writer (journal writes
+  # and syncs) and the checkpointer (the tables): each one's share of a new job's CPU.
   writer=""
-  if [[ "$store" == embedded ]]; then writer=idemgate-store; fi
+  if [[ "$store" == embedded ]]; then writer=idemgate-store,idemgate-ckpt; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw" "$writer"
   if [[ "$store" == embedded ]]; then embedded_note="$thread_note"; fi
   if [[ "$store" == redis ]]; then
@@ -354,18 +348,24 @@ late_result_window = \"1s\"" >"$work/$store-expiring.toml"
   fi
 done
 
-# Another build on the memory store: a profile-guided build of the same code
-# (scripts/pgo-build.sh) and an earlier commit's, for a before-and-after in one run.
+# Another build: a profile-guided build of the same code (scripts/pgo-build.sh) on the memory
+# store, and an earlier commit's on BEFORE_STORE (memory unless set), for a before-and-after
+# in one run.
 other_build() {
+  local store="${4:-memory}"
   port="$(free_port)"
-  gateway_config "$port" "$provider_port" 'kind = "memory"' >"$work/$2.toml"
+  gateway_config "$port" "$provider_port" "$(store_table "$store")" >"$work/$2.toml"
   start_gateway "$1" "$2"
-  measure "idemgate $3, new job, memory" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-  measure "idemgate $3, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+  measure "idemgate $3, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+  if [[ "$store" == memory ]]; then
+    measure "idemgate $3, replay, memory" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+  fi
   stop_gateway
 }
 if [[ -n "${PGO_BIN:-}" ]]; then other_build "$PGO_BIN" pgo "PGO build"; fi
-if [[ -n "${BEFORE_BIN:-}" ]]; then other_build "$BEFORE_BIN" before "before (${BEFORE_NAME:-BEFORE_BIN})"; fi
+if [[ -n "${BEFORE_BIN:-}" ]]; then
+  other_build "$BEFORE_BIN" before "before (${BEFORE_NAME:-BEFORE_BIN})" "${BEFORE_STORE:-memory}"
+fi
 
 floor pass
 floor idempotent
@@ -434,7 +434,7 @@ done
 # idempotency proxy) measured 5.68 × nginx's CPU per new job on Redis in an earlier run on
 # this kind of machine; the Redis CPU target is 0.8 × that ratio.
 echo
-awk -F'|' -v mean="$nginx_mean" -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v scattered="${scattered_p50:-}" -v contiguous="${contiguous_p50:-}" -v scattered_cpu="${scattered_cpu:-}" '
+awk -F'|' -v mean="$nginx_mean" -v rt="${redis_rt:-}" -v fsync="${fsync_p50:-}" -v fsync_cpu="${fsync_cpu:-}" '
 { name[NR] = $1; cpu[NR] = $2; rps[NR] = $3; p99[NR] = $4; p50[NR] = $5; cpu1[NR] = $9; sys1[NR] = $11; row[$1] = NR }
 function find(pattern, from,   i) { for (i = from ? from : 1; i <= NR; i++) if (index(name[i], pattern)) return i; return 0 }
 function verdict(ok) { return ok ? "met" : "not met" }
@@ -477,6 +477,10 @@ END {
     k = find("idemgate, replay, memory")
     printf "this build against the one before (no target): a new job %.2f × its CPU, a replay %.2f ×\n", cpu[memory] / cpu[i], cpu[k] / cpu[j]
   }
+  if ((i = find("idemgate before (")) && (j = find(", new job, embedded", i)) && (k = find("idemgate, new job, embedded"))) {
+    printf "this build against the one before, embedded (no target): a new job %.2f × its CPU and %.2f × its req/s, p99 %.1f against %.1f ms, added p50 +%d against +%d µs\n",
+      cpu[k] / cpu[j], rps[k] / rps[j], p99[k] / 1000, p99[j] / 1000, p50[k] - p50[direct], p50[j] - p50[direct]
+  }
   if (memory) {
     printf "one client (no target): CPU per request at c1 against c32, nginx %.1f against %.1f µs (%.2f ×), a new job on the memory store %.1f against %.1f µs (%.2f ×)", cpu1[nginx], cpu[nginx], cpu1[nginx] / cpu[nginx], cpu1[memory], cpu[memory], cpu1[memory] / cpu[memory]
     if ((j = find("floor: bare idempotency, new job"))) printf ", the floor'"'"'s bare new job %.1f against %.1f µs (%.2f ×)", cpu1[j], cpu[j], cpu1[j] / cpu[j]
@@ -496,7 +500,7 @@ END {
     if (memory) printf "new job, embedded: %.2f × the memory store'"'"'s req/s (target ≥ 0.5): %s", rps[i] / rps[memory], verdict(rps[i] >= 0.5 * rps[memory])
     if (fsync != "") printf "; added p50 +%d µs (target ≤ one fsync, %d µs, + 150 = %d µs): %s", p50[i] - p50[direct], fsync, fsync + 150, verdict(p50[i] - p50[direct] <= fsync + 150)
     printf "\n"
-    if (scattered != "") printf "disk: fdatasync of one 4 KiB page %d µs; of 19 scattered pages (about one embedded group commit) %d µs, writing and syncing them %d µs of system CPU; of 19 side by side %d µs\n", fsync, scattered, scattered_cpu, contiguous
+    if (fsync != "") printf "disk: a 4 KiB write and its fdatasync %d µs (p50), %d µs of it the kernel'"'"'s CPU\n", fsync, fsync_cpu
   }
 }' < <(printf '%s\n' "${rows[@]}")
 if [[ -n "${redis_note:-}" ]]; then echo "$redis_note"; fi
