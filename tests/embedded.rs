@@ -228,6 +228,84 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
     assert_eq!(provider.calls(), 2);
 }
 
+/// Every answer a client got before a kill -9 is the job's answer after it: the journal
+/// made it durable before the answer was sent, whether or not a checkpoint had written it to
+/// the tables yet (a checkpoint runs every second; the kill comes right after the answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_sent_before_a_kill_9_is_replayed_after_it() {
+    let provider = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
+        )
+        .mount(&provider)
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port().await, free_port().await);
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\n\
+             [store]\npath = \"{}\"\n{}",
+            dir.path().join("jobs.db").display(),
+            route(&provider.uri())
+        ),
+    )
+    .unwrap();
+    const JOBS: usize = 40;
+    let keys: Vec<String> = (0..JOBS).map(|n| format!("k-durable-{n}")).collect();
+    let post = |base: String, key: String| async move {
+        send(
+            &client(),
+            Method::POST,
+            &format!("{base}{CHAT}"),
+            &[
+                ("authorization", "Bearer sk-client-1"),
+                ("idempotency-key", key.as_str()),
+            ],
+            chat_request(),
+        )
+        .await
+    };
+
+    let mut gateway = spawn_gateway(&config, port, admin_port).await;
+    let running: Vec<_> = keys
+        .iter()
+        .map(|key| tokio::spawn(post(gateway.base.clone(), key.clone())))
+        .collect();
+    let mut answers = Vec::new();
+    for answer in running {
+        answers.push(bounded("an answer", answer).await);
+    }
+    gateway.child.kill().unwrap(); // SIGKILL: no last checkpoint
+    gateway.child.wait().unwrap();
+    drop(gateway);
+    let first: Vec<String> = answers
+        .into_iter()
+        .map(|answer| {
+            let answer = answer.unwrap();
+            assert_eq!(answer.status, 200, "{answer:?}");
+            answer.job_id()
+        })
+        .collect();
+    assert_eq!(received(&provider).await, JOBS);
+
+    let gateway = spawn_gateway(&config, port, admin_port).await;
+    for (key, id) in keys.iter().zip(&first) {
+        let replay = post(gateway.base.clone(), key.clone()).await;
+        assert_eq!(replay.status, 200, "{key}: {replay:?}");
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{key}");
+        assert_eq!(&replay.job_id(), id, "{key}");
+    }
+    assert_eq!(
+        received(&provider).await,
+        JOBS,
+        "no upstream call after the kill"
+    );
+}
+
 // ---- the default store end to end ---------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,11 +85,13 @@ impl<'t> Tables<'t> {
         let id = record.job.id.as_str();
         let before = self.load(id)?.map(|row| Indexed::of(&row));
         let key = claim_key(record);
-        // Read before written: an insert copies the page even when it changes nothing.
-        let held = self
-            .claims
-            .get(key.as_slice())?
-            .is_some_and(|holder| holder.value() == id);
+        // A job the tables had may hold its key already: read before written, since an
+        // insert copies the page even when it changes nothing.
+        let held = before.is_some()
+            && self
+                .claims
+                .get(key.as_slice())?
+                .is_some_and(|holder| holder.value() == id);
         if !held {
             self.claims.insert(key.as_slice(), id)?;
         }
