@@ -4,10 +4,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 use tracing::{error, warn};
 
 use super::journal::{Journal, Segment};
@@ -82,7 +83,7 @@ impl Op {
 /// tables that already hold them leave the same tables.
 #[derive(Deserialize)]
 pub(super) enum Change {
-    Put(JobRecord),
+    Put(Box<JobRecord>),
     Delete(JobId),
 }
 
