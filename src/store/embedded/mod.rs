@@ -67,7 +67,7 @@ mod writer;
 use self::journal::Journal;
 use self::overlay::Overlay;
 use self::tables::Tables;
-use self::writer::{Change, Op, Writer, SWEEP_LIMIT};
+use self::writer::{Change, Op, Writer};
 use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
@@ -146,22 +146,37 @@ impl Shared {
     /// The job as the file has it, with its answer.
     fn read(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
-        let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
-        let row = row_key(id);
-        let Some(bytes) = jobs.get(row.as_str()).map_err(|e| self.unavailable(e))? else {
+        let Some(mut record) = self.row_in(&txn, id)? else {
             return Ok(None);
         };
-        let mut record: JobRecord = decode(bytes.value())?;
         if record.job.state == JobState::Succeeded {
+            let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
             if let Some(bytes) = responses
-                .get(row.as_str())
+                .get(row_key(id).as_str())
                 .map_err(|e| self.unavailable(e))?
             {
                 record.job.response = Some(decode(bytes.value())?);
             }
         }
         Ok(Some(record))
+    }
+
+    /// The job as the file has it, without its answer.
+    fn read_row(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        self.row_in(&txn, id)
+    }
+
+    fn row_in(
+        &self,
+        txn: &redb::ReadTransaction,
+        id: &str,
+    ) -> Result<Option<JobRecord>, StoreError> {
+        let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
+        let row = jobs
+            .get(row_key(id).as_str())
+            .map_err(|e| self.unavailable(e))?;
+        row.map(|bytes| decode(bytes.value())).transpose()
     }
 
     /// Writes every job the overlay holds to the tables in one transaction, commits it
@@ -477,7 +492,7 @@ fn encode_into<T: serde::Serialize>(value: &T, buf: &mut Vec<u8>) {
     postcard::serialize_with_flavor(value, Append(buf)).expect("records always serialise");
 }
 
-/// Deletes every job due at `now`, [`SWEEP_LIMIT`] at most per operation, so the claims and
+/// Deletes every job due at `now`, [`writer::SWEEP_LIMIT`] at most per operation, so the claims and
 /// settles queued meanwhile are answered between the batches. `None` once the store is
 /// gone; the writer is held only while a batch is handed over, so dropping the store never
 /// waits for a sweep.
@@ -486,12 +501,21 @@ async fn sweep_due(
     now: SystemTime,
 ) -> Option<Result<usize, StoreError>> {
     let mut total = 0;
+    let mut from = None;
     loop {
         let (reply, answer) = oneshot::channel();
-        writer.upgrade()?.send(Op::Sweep { now, reply }).ok()?;
+        writer
+            .upgrade()?
+            .send(Op::Sweep { now, from, reply })
+            .ok()?;
         match answer.await.ok()? {
-            Ok(n) if n == SWEEP_LIMIT => total += n,
-            Ok(n) => return Some(Ok(total + n)),
+            Ok(swept) => {
+                total += swept.removed;
+                match swept.next {
+                    Some(next) => from = Some(next),
+                    None => return Some(Ok(total)),
+                }
+            }
             Err(e) => return Some(Err(e)),
         }
     }
@@ -668,6 +692,7 @@ impl JobStore for EmbeddedStore {
 
 #[cfg(test)]
 mod tests {
+    use super::writer::SWEEP_LIMIT;
     use super::*;
     use crate::job::{new_job_id, Effect, StoredResponse};
     use redb::ReadableTable;

@@ -51,9 +51,12 @@ pub(super) enum Op {
         now: SystemTime,
         reply: oneshot::Sender<Result<Applied, StoreError>>,
     },
+    /// One batch of a retention sweep, from after the expiry entry `from` (the one the
+    /// batch before stopped at).
     Sweep {
         now: SystemTime,
-        reply: oneshot::Sender<Result<usize, StoreError>>,
+        from: Option<Position>,
+        reply: oneshot::Sender<Result<Swept, StoreError>>,
     },
     /// Answered once the tables hold every change made before it.
     Checkpoint {
@@ -94,6 +97,17 @@ enum ChangeRef<'a> {
     Delete(&'a str),
 }
 
+/// An entry of the expiry index: (expires_at in ms, job id).
+pub(super) type Position = (u64, JobId);
+
+/// What one batch of a sweep did.
+#[derive(Debug)]
+pub(super) struct Swept {
+    pub(super) removed: usize,
+    /// Where the next batch starts; `None` once nothing more is due.
+    pub(super) next: Option<Position>,
+}
+
 /// An operation's result, held until the group's frames are synced.
 enum Done {
     Claim(
@@ -105,8 +119,8 @@ enum Done {
         Result<Applied, StoreError>,
     ),
     Sweep(
-        oneshot::Sender<Result<usize, StoreError>>,
-        Result<usize, StoreError>,
+        oneshot::Sender<Result<Swept, StoreError>>,
+        Result<Swept, StoreError>,
     ),
 }
 
@@ -208,46 +222,53 @@ impl Group<'_> {
         Ok(Applied { outcome, record })
     }
 
-    /// Deletes up to [`SWEEP_LIMIT`] jobs due at `now`, found through the file's expiry
-    /// index; returns how many, so a batch short of the limit is the last one due. Jobs
-    /// the overlay changed are judged by their latest version: one deleted already, or
-    /// given a later expiry, is passed over.
-    fn sweep(&mut self, now: SystemTime) -> Result<usize, StoreError> {
-        let due: Vec<String> = {
-            let txn = self
-                .shared
-                .db
-                .begin_read()
-                .map_err(|e| self.shared.unavailable(e))?;
-            let expiry = txn
-                .open_table(EXPIRY)
-                .map_err(|e| self.shared.unavailable(e))?;
-            let overridden = self.shared.overlay().len() + self.staged.jobs.len();
-            let range = expiry
-                .range((0, "")..(millis(now), ""))
-                .map_err(|e| self.shared.unavailable(e))?;
-            range
-                .take(SWEEP_LIMIT + overridden)
-                .map(|entry| {
-                    entry
-                        .map(|(k, _)| k.value().1.to_owned())
-                        .map_err(|e| self.shared.unavailable(e))
-                })
-                .collect::<Result<_, _>>()?
+    /// The job as [`Group::job`] has it, or as its row in the file without its answer,
+    /// which a deletion does not need.
+    fn row(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        if let Some(version) = self.staged.jobs.get(id) {
+            return Ok(version.as_deref().cloned());
+        }
+        if let Some(version) = self.shared.overlay().job(id) {
+            return Ok(version.as_deref().cloned());
+        }
+        self.shared.read_row(id)
+    }
+
+    /// Deletes up to [`SWEEP_LIMIT`] jobs due at `now`, walking the file's expiry index from
+    /// after `from`. A job the overlay changed is judged by its latest version: one
+    /// deleted already (its entry stays in the file until the checkpoint), or given a later
+    /// expiry, is passed over, and the next batch starts after it.
+    fn sweep(&mut self, now: SystemTime, from: Option<Position>) -> Result<Swept, StoreError> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let shared = self.shared;
+        let txn = shared.db.begin_read().map_err(|e| shared.unavailable(e))?;
+        let expiry = txn.open_table(EXPIRY).map_err(|e| shared.unavailable(e))?;
+        let start = match &from {
+            Some((at, id)) => Excluded((*at, id.as_str())),
+            None => Unbounded,
         };
+        let range = expiry
+            .range::<(u64, &str)>((start, Excluded((millis(now), ""))))
+            .map_err(|e| shared.unavailable(e))?;
         let mut removed = 0;
-        for id in due {
-            if let Some(record) = self.job(&id)? {
+        for entry in range {
+            let (key, _) = entry.map_err(|e| shared.unavailable(e))?;
+            let (at, id) = key.value();
+            if let Some(record) = self.row(id)? {
                 if record.is_expired(now) {
                     self.delete(&record)?;
                     removed += 1;
                     if removed == SWEEP_LIMIT {
-                        break;
+                        let next = Some((at, id.to_owned()));
+                        return Ok(Swept { removed, next });
                     }
                 }
             }
         }
-        Ok(removed)
+        Ok(Swept {
+            removed,
+            next: None,
+        })
     }
 
     fn run(&mut self, op: Op, policy: &ExpiryPolicy) -> Done {
@@ -259,7 +280,7 @@ impl Group<'_> {
                 now,
                 reply,
             } => Done::Apply(reply, self.apply(&id, transition, now, policy)),
-            Op::Sweep { now, reply } => Done::Sweep(reply, self.sweep(now)),
+            Op::Sweep { now, from, reply } => Done::Sweep(reply, self.sweep(now, from)),
             Op::Checkpoint { .. } => unreachable!("checkpoints are not part of a group"),
             #[cfg(test)]
             Op::Crash => unreachable!("a crash is not part of a group"),
