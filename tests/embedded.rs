@@ -30,8 +30,8 @@ fn route(provider: &str) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settled_job_replays_after_a_restart() {
+/// A provider that answers every POST with the chat fixture.
+async fn chat_provider() -> MockServer {
     let provider = MockServer::start().await;
     Mock::given(method("POST"))
         .respond_with(
@@ -40,6 +40,12 @@ async fn a_settled_job_replays_after_a_restart() {
         )
         .mount(&provider)
         .await;
+    provider
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_job_replays_after_a_restart() {
+    let provider = chat_provider().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("data/jobs.db");
 
@@ -233,14 +239,7 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
 /// the tables yet (a checkpoint runs every second; the kill comes right after the answers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_answer_sent_before_a_kill_9_is_replayed_after_it() {
-    let provider = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
-        )
-        .mount(&provider)
-        .await;
+    let provider = chat_provider().await;
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port().await, free_port().await);
     let config = dir.path().join("idemgate.toml");

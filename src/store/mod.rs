@@ -303,8 +303,9 @@ where
 
 /// The binary form records are kept in by the stores that serialise them.
 pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    postcard::serialize_with_flavor(value, Presized(Vec::with_capacity(ENCODED_CAPACITY)))
-        .expect("records always serialise")
+    let mut encoded = Vec::with_capacity(ENCODED_CAPACITY);
+    encode_into(value, &mut encoded);
+    encoded
 }
 
 /// What an encoding starts with. A record or an answer is a few hundred bytes to a few KB,
@@ -312,11 +313,17 @@ pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
 /// saves the seven doublings a vector grown from empty goes through, copying as it goes.
 const ENCODED_CAPACITY: usize = 1024;
 
-/// postcard's `AllocVec` output, which always starts empty, on a vector sized beforehand.
-struct Presized(Vec<u8>);
+/// Encodes `value` at the end of `buf`, as [`encode`] does into a vector of its own.
+pub(crate) fn encode_into<T: serde::Serialize>(value: &T, buf: &mut Vec<u8>) {
+    postcard::serialize_with_flavor(value, Append(buf)).expect("records always serialise");
+}
 
-impl postcard::ser_flavors::Flavor for Presized {
-    type Output = Vec<u8>;
+/// postcard's `AllocVec` output, which always starts a vector of its own, appending to a
+/// vector the caller has (sized beforehand, or holding what comes before).
+struct Append<'a>(&'a mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Append<'_> {
+    type Output = ();
 
     fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
         self.0.extend_from_slice(data);
@@ -328,8 +335,8 @@ impl postcard::ser_flavors::Flavor for Presized {
         Ok(())
     }
 
-    fn finalize(self) -> postcard::Result<Vec<u8>> {
-        Ok(self.0)
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
     }
 }
 

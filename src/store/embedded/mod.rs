@@ -68,7 +68,7 @@ use self::journal::Journal;
 use self::overlay::Overlay;
 use self::tables::Tables;
 use self::writer::{Change, Op, Writer};
-use super::{decode, encode, Applied, Changes, Claim, JobStore, StoreError};
+use super::{decode, encode, encode_into, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
 const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
@@ -121,6 +121,15 @@ impl Shared {
         StoreError::unavailable(format!("embedded store {}", self.path), e)
     }
 
+    /// A table as the file has it now, on a read snapshot of its own.
+    fn table<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        definition: TableDefinition<K, V>,
+    ) -> Result<redb::ReadOnlyTable<K, V>, StoreError> {
+        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
+        txn.open_table(definition).map_err(|e| self.unavailable(e))
+    }
+
     /// The job's latest version: the overlay's, else the file's.
     fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
         if let Some(version) = self.overlay().job(id) {
@@ -134,9 +143,8 @@ impl Shared {
         if let Some(id) = self.overlay().claim(key) {
             return Ok(id);
         }
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let claims = txn.open_table(CLAIMS).map_err(|e| self.unavailable(e))?;
-        let id = claims
+        let id = self
+            .table(CLAIMS)?
             .get(key)
             .map_err(|e| self.unavailable(e))?
             .map(|id| id.value().to_owned());
@@ -223,8 +231,7 @@ impl Shared {
             }
             (overridden, ids)
         };
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let table = txn.open_table(index).map_err(|e| self.unavailable(e))?;
+        let table = self.table(index)?;
         let range = match after {
             Some(after) => {
                 table.range::<&str>((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
@@ -472,26 +479,6 @@ fn claim_key_of(owner: &str, key: &str) -> Vec<u8> {
     claim
 }
 
-/// Encodes `value` at the end of `buf`, as [`encode`] would on its own.
-fn encode_into<T: serde::Serialize>(value: &T, buf: &mut Vec<u8>) {
-    struct Append<'a>(&'a mut Vec<u8>);
-    impl postcard::ser_flavors::Flavor for Append<'_> {
-        type Output = ();
-        fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
-            self.0.extend_from_slice(data);
-            Ok(())
-        }
-        fn try_push(&mut self, data: u8) -> postcard::Result<()> {
-            self.0.push(data);
-            Ok(())
-        }
-        fn finalize(self) -> postcard::Result<()> {
-            Ok(())
-        }
-    }
-    postcard::serialize_with_flavor(value, Append(buf)).expect("records always serialise");
-}
-
 /// Deletes every job due at `now`, [`writer::SWEEP_LIMIT`] at most per operation, so the claims and
 /// settles queued meanwhile are answered between the batches. `None` once the store is
 /// gone; the writer is held only while a batch is handed over, so dropping the store never
@@ -591,14 +578,7 @@ impl JobStore for EmbeddedStore {
             (overridden, found)
         };
         let due: Vec<String> = {
-            let txn = self
-                .shared
-                .db
-                .begin_read()
-                .map_err(|e| self.shared.unavailable(e))?;
-            let leases = txn
-                .open_table(IN_PROGRESS)
-                .map_err(|e| self.shared.unavailable(e))?;
+            let leases = self.shared.table(IN_PROGRESS)?;
             let iter = leases.iter().map_err(|e| self.shared.unavailable(e))?;
             iter.filter_map(Result::ok)
                 .filter(|(id, lease)| {
@@ -651,14 +631,7 @@ impl JobStore for EmbeddedStore {
                 .count();
             (ids, unknown)
         };
-        let txn = self
-            .shared
-            .db
-            .begin_read()
-            .map_err(|e| self.shared.unavailable(e))?;
-        let unknown = txn
-            .open_table(UNKNOWN)
-            .map_err(|e| self.shared.unavailable(e))?;
+        let unknown = self.shared.table(UNKNOWN)?;
         let mut count = unknown.len().map_err(|e| self.shared.unavailable(e))?;
         for id in &overridden {
             if unknown

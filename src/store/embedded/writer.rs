@@ -241,8 +241,7 @@ impl Group<'_> {
     fn sweep(&mut self, now: SystemTime, from: Option<Position>) -> Result<Swept, StoreError> {
         use std::ops::Bound::{Excluded, Unbounded};
         let shared = self.shared;
-        let txn = shared.db.begin_read().map_err(|e| shared.unavailable(e))?;
-        let expiry = txn.open_table(EXPIRY).map_err(|e| shared.unavailable(e))?;
+        let expiry = shared.table(EXPIRY)?;
         let start = match &from {
             Some((at, id)) => Excluded((*at, id.as_str())),
             None => Unbounded,
