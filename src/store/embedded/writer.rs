@@ -364,7 +364,11 @@ impl Writer {
             self.commit_group(&mut ops, &mut replies);
             let written = self.journal.active_len() > 0;
             let waited = last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
-            let due = self.journal.active_len() >= CHECKPOINT_BYTES || (written && waited);
+            // Writes refused for a full overlay write nothing: its checkpoint is asked for
+            // all the same.
+            let full = self.shared.overlay().len() >= self.shared.overlay_limit;
+            let due =
+                self.journal.active_len() >= CHECKPOINT_BYTES || ((written || full) && waited);
             let idle = !busy.load(Ordering::Acquire);
             let retire = (idle && written && (due || !replies.is_empty())).then(|| {
                 busy.store(true, Ordering::Release);
@@ -404,6 +408,20 @@ impl Writer {
         ops: &mut Vec<Op>,
         replies: &mut Vec<oneshot::Sender<Result<(), StoreError>>>,
     ) {
+        let held = self.shared.overlay().len();
+        if held >= self.shared.overlay_limit {
+            let e = self.shared.unavailable(format!(
+                "its checkpoints are failing: {held} jobs wait for the database file, and \
+                 writes resume once a checkpoint succeeds"
+            ));
+            for op in ops.drain(..) {
+                match op {
+                    Op::Checkpoint { reply } => replies.push(reply),
+                    op => op.fail(e.clone()),
+                }
+            }
+            return;
+        }
         let count = ops.len();
         let mut group = Group {
             shared: &self.shared,
