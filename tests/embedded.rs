@@ -30,6 +30,30 @@ fn route(provider: &str) -> String {
     )
 }
 
+/// Writes the config of a gateway spawned on `port` and `admin_port` (its admin token from
+/// `ADMIN_TOKEN_ENV`), its store `jobs.db` in `dir`, with `idempotency` (a table's lines, or
+/// nothing) and one route to `provider`; returns its path.
+fn spawned_config(
+    dir: &tempfile::TempDir,
+    port: u16,
+    admin_port: u16,
+    idempotency: &str,
+    provider: &str,
+) -> std::path::PathBuf {
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
+             [store]\npath = \"{}\"\n{idempotency}{}",
+            dir.path().join("jobs.db").display(),
+            route(provider)
+        ),
+    )
+    .unwrap();
+    config
+}
+
 /// A provider that answers every POST with the chat fixture.
 async fn chat_provider() -> MockServer {
     let provider = MockServer::start().await;
@@ -167,17 +191,13 @@ async fn a_job_killed_mid_attempt_comes_back_unknown_and_cancel_lets_a_retry_run
     let mut provider = HeldProvider::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port().await, free_port().await);
-    let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
-             [store]\npath = \"{}\"\n[idempotency]\nlease = \"300ms\"\nwait_for_in_flight = \"5s\"\n{}",
-            dir.path().join("jobs.db").display(),
-            route(&provider.url())
-        ),
-    )
-    .unwrap();
+    let config = spawned_config(
+        &dir,
+        port,
+        admin_port,
+        "[idempotency]\nlease = \"300ms\"\nwait_for_in_flight = \"5s\"\n",
+        &provider.url(),
+    );
     let client = client();
     let headers = [
         ("authorization", "Bearer sk-client-1"),
@@ -242,17 +262,7 @@ async fn every_answer_sent_before_a_kill_9_is_replayed_after_it() {
     let provider = chat_provider().await;
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port().await, free_port().await);
-    let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\n\
-             [store]\npath = \"{}\"\n{}",
-            dir.path().join("jobs.db").display(),
-            route(&provider.uri())
-        ),
-    )
-    .unwrap();
+    let config = spawned_config(&dir, port, admin_port, "", &provider.uri());
     const JOBS: usize = 40;
     let keys: Vec<String> = (0..JOBS).map(|n| format!("k-durable-{n}")).collect();
     let post = |base: String, key: String| async move {
@@ -457,17 +467,13 @@ async fn a_job_orphaned_by_kill_9_is_listed_unknown_by_the_sweep_with_no_request
     let mut provider = HeldProvider::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port().await, free_port().await);
-    let config = dir.path().join("idemgate.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nadmin_token_env = \"{ADMIN_TOKEN_ENV}\"\n\
-             [store]\npath = \"{}\"\n[idempotency]\nlease = \"1s\"\n{}",
-            dir.path().join("jobs.db").display(),
-            route(&provider.url())
-        ),
-    )
-    .unwrap();
+    let config = spawned_config(
+        &dir,
+        port,
+        admin_port,
+        "[idempotency]\nlease = \"1s\"\n",
+        &provider.url(),
+    );
     let mut gateway = spawn_gateway(&config, port, admin_port).await;
     let in_flight = post_in_background(&gateway.base, "k-orphan");
     let _held = provider.next_call().await;

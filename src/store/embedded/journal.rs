@@ -291,6 +291,15 @@ fn write_at(file: &File, mut bytes: &[u8], mut at: u64) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    /// A new journal beside `jobs.db` in a directory of its own.
+    fn fresh() -> (tempfile::TempDir, std::path::PathBuf, Journal) {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("jobs.db");
+        let (journal, found) = Journal::open(&base).unwrap();
+        assert!(found.is_empty());
+        (dir, base, journal)
+    }
+
     fn payloads(recovered: &Recovered) -> Vec<(u64, &[u8])> {
         recovered.iter().map(|(s, p)| (*s, p.as_slice())).collect()
     }
@@ -306,10 +315,7 @@ mod tests {
 
     #[test]
     fn committed_frames_are_read_back_in_order_across_both_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("jobs.db");
-        let (mut journal, found) = Journal::open(&base).unwrap();
-        assert!(found.is_empty());
+        let (_dir, base, mut journal) = fresh();
         assert_eq!(write(&mut journal, &[b"a", b"bb"]), [0, 1]);
         let (_retired, reset_to) = journal.rotate();
         assert_eq!(reset_to, 2);
@@ -327,9 +333,7 @@ mod tests {
 
     #[test]
     fn a_reset_file_forgets_its_frames_and_is_overwritten_from_its_start() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("jobs.db");
-        let (mut journal, _) = Journal::open(&base).unwrap();
+        let (_dir, base, mut journal) = fresh();
         write(&mut journal, &[b"old one", b"old two", b"old three"]);
         let (retired, reset_to) = journal.rotate();
         write(&mut journal, &[b"kept"]);
@@ -351,9 +355,7 @@ mod tests {
 
     #[test]
     fn a_torn_or_damaged_tail_ends_the_journal_and_what_came_before_is_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("jobs.db");
-        let (mut journal, _) = Journal::open(&base).unwrap();
+        let (_dir, base, mut journal) = fresh();
         write(&mut journal, &[b"first", b"second"]);
         drop(journal);
         let path = &Journal::paths(&base)[0];
@@ -382,9 +384,7 @@ mod tests {
 
     #[test]
     fn a_failed_group_is_overwritten_and_its_leftovers_are_never_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("jobs.db");
-        let (mut journal, _) = Journal::open(&base).unwrap();
+        let (_dir, base, mut journal) = fresh();
         write(&mut journal, &[b"kept"]);
         // A group that reached the file but whose commit reported an error: written by
         // hand at the journal's end, which the journal does not move past.
@@ -421,9 +421,7 @@ mod tests {
 
     #[test]
     fn numbers_carry_on_after_a_reset_of_both_files() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("jobs.db");
-        let (mut journal, _) = Journal::open(&base).unwrap();
+        let (_dir, base, mut journal) = fresh();
         write(&mut journal, &[b"a", b"b", b"c"]);
         journal.reset_all().unwrap();
         drop(journal);

@@ -144,10 +144,16 @@ impl Shared {
 
     /// The job's latest version: the overlay's, else the file's.
     fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.latest(id, Answer::With)
+    }
+
+    /// As [`Shared::job`]; a version read from the file comes without its answer when
+    /// `answer` says so (one from the overlay has it either way).
+    fn latest(&self, id: &str, answer: Answer) -> Result<Option<JobRecord>, StoreError> {
         if let Some(version) = self.overlay().job(id) {
             return Ok(version.as_deref().cloned());
         }
-        self.read(id)
+        self.read(id, answer)
     }
 
     /// The job holding a claim key: the overlay's, else the file's.
@@ -163,40 +169,25 @@ impl Shared {
         Ok(id)
     }
 
-    /// The job as the file has it, with its answer.
-    fn read(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+    /// The job as the file has it, with its answer if `answer` asks for it.
+    fn read(&self, id: &str, answer: Answer) -> Result<Option<JobRecord>, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        let Some(mut record) = self.row_in(&txn, id)? else {
+        let row = row_key(id);
+        let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
+        let Some(bytes) = jobs.get(row.as_str()).map_err(|e| self.unavailable(e))? else {
             return Ok(None);
         };
-        if record.job.state == JobState::Succeeded {
+        let mut record: JobRecord = decode(bytes.value())?;
+        if answer == Answer::With && record.job.state == JobState::Succeeded {
             let responses = txn.open_table(RESPONSES).map_err(|e| self.unavailable(e))?;
             if let Some(bytes) = responses
-                .get(row_key(id).as_str())
+                .get(row.as_str())
                 .map_err(|e| self.unavailable(e))?
             {
                 record.job.response = Some(decode(bytes.value())?);
             }
         }
         Ok(Some(record))
-    }
-
-    /// The job as the file has it, without its answer.
-    fn read_row(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.unavailable(e))?;
-        self.row_in(&txn, id)
-    }
-
-    fn row_in(
-        &self,
-        txn: &redb::ReadTransaction,
-        id: &str,
-    ) -> Result<Option<JobRecord>, StoreError> {
-        let jobs = txn.open_table(JOBS).map_err(|e| self.unavailable(e))?;
-        let row = jobs
-            .get(row_key(id).as_str())
-            .map_err(|e| self.unavailable(e))?;
-        row.map(|bytes| decode(bytes.value())).transpose()
     }
 
     /// Writes every job the overlay holds to the tables in one transaction, commits it
@@ -234,19 +225,12 @@ impl Shared {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<JobId>, StoreError> {
-        let (overridden, mut ids) = {
-            let overlay = self.overlay();
-            let mut overridden = std::collections::HashSet::with_capacity(overlay.len());
-            let mut ids = Vec::new();
-            for (id, version) in overlay.jobs() {
-                overridden.insert(id.clone());
-                let later = after.is_none_or(|after| id.as_str() > after);
-                if later && version.as_deref().is_some_and(&listed) {
-                    ids.push(id.clone());
-                }
-            }
-            (overridden, ids)
-        };
+        let (overridden, matching) = self.overlay().matching(listed);
+        let mut ids: Vec<JobId> = matching
+            .into_iter()
+            .map(|record| record.job.id.clone())
+            .filter(|id| after.is_none_or(|after| id.as_str() > after))
+            .collect();
         let table = self.table(index)?;
         let range = match after {
             Some(after) => {
@@ -270,6 +254,14 @@ impl Shared {
         ids.truncate(limit);
         Ok(ids)
     }
+}
+
+/// Whether a read from the file decodes the job's answer too: a deletion, for one, has no
+/// use for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Answer {
+    With,
+    Without,
 }
 
 /// `Database::create`, with redb's assertions on a truncated file turned into an error: its
@@ -592,18 +584,11 @@ impl JobStore for EmbeddedStore {
         let lapsed = |record: &JobRecord| {
             record.job.state == JobState::InProgress && record.job.lease_until <= now
         };
-        let (overridden, mut found) = {
-            let overlay = self.shared.overlay();
-            let mut overridden = std::collections::HashSet::with_capacity(overlay.len());
-            let mut found = Vec::new();
-            for (id, version) in overlay.jobs() {
-                overridden.insert(id.clone());
-                if let Some(record) = version.as_deref().filter(|r| lapsed(r)) {
-                    found.push((id.clone(), record.job.version));
-                }
-            }
-            (overridden, found)
-        };
+        let (overridden, matching) = self.shared.overlay().matching(lapsed);
+        let mut found: Vec<(JobId, u64)> = matching
+            .into_iter()
+            .map(|record| (record.job.id.clone(), record.job.version))
+            .collect();
         let due: Vec<String> = {
             let leases = self.shared.table(IN_PROGRESS)?;
             let iter = leases.iter().map_err(|e| self.shared.unavailable(e))?;
@@ -646,21 +631,13 @@ impl JobStore for EmbeddedStore {
 
     async fn count_unknown(&self) -> Result<usize, StoreError> {
         use redb::ReadableTableMetadata;
-        let (overridden, in_overlay) = {
-            let overlay = self.shared.overlay();
-            let ids: Vec<JobId> = overlay.jobs().map(|(id, _)| id.clone()).collect();
-            let unknown = overlay
-                .jobs()
-                .filter(|(_, v)| {
-                    v.as_deref()
-                        .is_some_and(|r| r.job.state == JobState::Unknown)
-                })
-                .count();
-            (ids, unknown)
-        };
+        let (overridden, matching) = self
+            .shared
+            .overlay()
+            .matching(|r| r.job.state == JobState::Unknown);
         let unknown = self.shared.table(UNKNOWN)?;
         let mut count = unknown.len().map_err(|e| self.shared.unavailable(e))?;
-        for id in &overridden {
+        for id in overridden {
             if unknown
                 .get(id.as_str())
                 .map_err(|e| self.shared.unavailable(e))?
@@ -669,7 +646,7 @@ impl JobStore for EmbeddedStore {
                 count -= 1;
             }
         }
-        Ok(usize::try_from(count).unwrap_or(usize::MAX) + in_overlay)
+        Ok(usize::try_from(count).unwrap_or(usize::MAX) + matching.len())
     }
 
     async fn unknown_jobs(

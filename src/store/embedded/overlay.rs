@@ -5,7 +5,7 @@
 //! commits its changes to the file before it retires them from here, so a reader that
 //! misses a change here, because it was just retired, finds it in the file.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::job::{JobId, JobRecord};
@@ -68,9 +68,21 @@ impl Overlay {
         self.jobs.len()
     }
 
-    /// Every job the overlay holds, for listings that merge it with the file's indexes.
-    pub(super) fn jobs(&self) -> impl Iterator<Item = (&JobId, &Version)> {
-        self.jobs.iter().map(|(id, slot)| (id, &slot.value))
+    /// For a listing that merges the overlay with one of the file's indexes: the ids of
+    /// every job the overlay holds (the file's entries for them are out of date), and those
+    /// of its jobs that `listed` takes.
+    pub(super) fn matching(
+        &self,
+        listed: impl Fn(&JobRecord) -> bool,
+    ) -> (HashSet<JobId>, Vec<Arc<JobRecord>>) {
+        let held = self.jobs.keys().cloned().collect();
+        let matching = self
+            .jobs
+            .values()
+            .filter_map(|slot| slot.value.clone())
+            .filter(|record| listed(record))
+            .collect();
+        (held, matching)
     }
 
     /// Makes a synced group's changes visible.

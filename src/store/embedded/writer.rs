@@ -13,7 +13,9 @@ use tracing::{error, warn};
 
 use super::journal::{Journal, Segment};
 use super::overlay::Staged;
-use super::{claim_key, millis, Applied, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY};
+use super::{
+    claim_key, millis, Answer, Applied, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY,
+};
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
 
 /// Most operations in one group.
@@ -155,9 +157,14 @@ struct Group<'a> {
 
 impl Group<'_> {
     fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        self.latest(id, Answer::With)
+    }
+
+    /// The job as the group sees it: its own change, else the overlay's or the file's.
+    fn latest(&self, id: &str, answer: Answer) -> Result<Option<JobRecord>, StoreError> {
         match self.staged.jobs.get(id) {
             Some(version) => Ok(version.as_deref().cloned()),
-            None => self.shared.job(id),
+            None => self.shared.latest(id, answer),
         }
     }
 
@@ -222,18 +229,6 @@ impl Group<'_> {
         Ok(Applied { outcome, record })
     }
 
-    /// The job as [`Group::job`] has it, or as its row in the file without its answer,
-    /// which a deletion does not need.
-    fn row(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        if let Some(version) = self.staged.jobs.get(id) {
-            return Ok(version.as_deref().cloned());
-        }
-        if let Some(version) = self.shared.overlay().job(id) {
-            return Ok(version.as_deref().cloned());
-        }
-        self.shared.read_row(id)
-    }
-
     /// Deletes up to [`SWEEP_LIMIT`] jobs due at `now`, walking the file's expiry index from
     /// after `from`. A job the overlay changed is judged by its latest version: one
     /// deleted already (its entry stays in the file until the checkpoint), or given a later
@@ -253,7 +248,8 @@ impl Group<'_> {
         for entry in range {
             let (key, _) = entry.map_err(|e| shared.unavailable(e))?;
             let (at, id) = key.value();
-            if let Some(record) = self.row(id)? {
+            // A deletion needs no answer.
+            if let Some(record) = self.latest(id, Answer::Without)? {
                 if record.is_expired(now) {
                     self.delete(&record)?;
                     removed += 1;
