@@ -321,16 +321,17 @@ for store in $STORES; do
     BODY_FILE="$large_body" measure "idemgate, replay, memory, 16 KiB request" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
   fi
   stop_gateway
-  # The same with `[log] buffered = true`: every access line still written, in batches when
-  # the worker runs out of work instead of one `write` each before the answer.
+  # The same with `[log] buffered = false`: every access line written in a `write` of its own
+  # before its answer, where by default a busy worker writes the lines after its first in
+  # one call when it runs out of work.
   if [[ "$store" == memory ]]; then
     port="$(free_port)"
     gateway_config "$port" "$provider_port" "$(store_table "$store")
 [log]
-buffered = true" >"$work/$store-buffered.toml"
-    start_gateway "$gateway_bin" "$store-buffered"
-    measure "idemgate, new job, memory, buffered log" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
-    measure "idemgate, replay, memory, buffered log" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
+buffered = false" >"$work/$store-unbuffered.toml"
+    start_gateway "$gateway_bin" "$store-unbuffered"
+    measure "idemgate, new job, memory, unbuffered log" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw"
+    measure "idemgate, replay, memory, unbuffered log" "http://127.0.0.1:$port/v1/chat/completions" fixed "$gw"
     stop_gateway
   fi
   # The same store once retention is reached, as in a gateway that has run longer than its
@@ -458,8 +459,8 @@ END {
     printf "16 KiB request (no target): a new job %.2f × nginx'"'"'s CPU for the same body (%.1f µs more per request than with the fixture), a replay %.2f ×\n",
       cpu[i] / cpu[j], cpu[i] - cpu[memory], cpu[find("replay, memory, 16 KiB")] / cpu[j]
   }
-  if ((i = find("new job, memory, buffered log")) && (j = find("replay, memory, buffered log"))) {
-    printf "buffered log (no target): a new job %.2f × nginx'"'"'s CPU, a replay %.2f × and %.2f × the provider'"'"'s req/s\n", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], rps[j] / rps[direct]
+  if ((i = find("new job, memory, unbuffered log")) && (j = find("replay, memory, unbuffered log"))) {
+    printf "unbuffered log (no target): a new job %.2f × nginx'"'"'s CPU, a replay %.2f × and %.2f × the provider'"'"'s req/s\n", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], rps[j] / rps[direct]
   }
   if ((i = find("floor: hyper pass-through")) && (j = find("floor: bare idempotency, new job")) && (k = find("floor: bare idempotency, replay"))) {
     printf "floor (no target): this stack passing requests through costs %.2f × nginx'"'"'s CPU, with bare idempotency a new job %.2f × and a replay %.2f ×", cpu[i] / cpu[nginx], cpu[j] / cpu[nginx], cpu[k] / cpu[nginx]

@@ -1,19 +1,20 @@
-//! Where log lines go: stderr, each line in one `write(2)`, or with `[log] buffered = true`
-//! in batches.
+//! Where log lines go: stderr, in one `write(2)` per line while the gateway is idle and in
+//! batches while it is busy (the default), or with `[log] buffered = false` in one `write(2)`
+//! per line always.
 //!
 //! Every request writes an access line (SPEC §11), and written on its own that system call
-//! is about a tenth of a replay's CPU. Buffered, a runtime worker thread keeps its lines in
-//! a buffer of its own and writes them in one call when it runs out of work (the runtime
-//! calls [`flush_before_park`] just before the thread sleeps), when the buffer passes
-//! [`FLUSH_AT`], or when the thread ends. A line then waits only while its thread is busy
-//! with other work, never while the gateway idles — but it may leave after the answer it
-//! describes, so a `kill -9` can lose the lines of its last moments, as with nginx's
-//! `access_log … buffer=`. Unbuffered (the default), a request's line is written before its
-//! answer.
+//! is about a tenth of a replay's CPU. Batched, a runtime worker thread writes the first line
+//! after it last slept at once, and keeps the lines that follow in a buffer of its own until
+//! it runs out of work (the runtime calls [`flush_before_park`] just before the thread
+//! sleeps), the buffer passes [`FLUSH_AT`], or the thread ends. A request that finds the
+//! gateway idle — one client, or a test sending one request at a time — therefore has its
+//! line written before its answer, as unbuffered; under load a line waits only while its
+//! thread is busy with other requests, and a `kill -9` can lose the lines of that moment, as
+//! with nginx's `access_log … buffer=`. A line is never held while the gateway idles.
 //!
-//! Any other thread (the main thread, a store's writer thread, a test) writes each line at
-//! once: only a thread that parks in a runtime whose park hook is [`flush_before_park`]
-//! ever batches.
+//! Any other thread (the main thread before the runtime, a store's writer thread, a test)
+//! writes each line at once: only a thread that parks in a runtime whose park hook is
+//! [`flush_before_park`] ever batches.
 
 use std::cell::RefCell;
 use std::io::{self, Write};
@@ -88,6 +89,12 @@ impl Write for Line<'_> {
                 if !pending.batching {
                     return false;
                 }
+                if !pending.busy {
+                    // The first line since the thread last slept: it may be the only one
+                    // before the next sleep, and goes out before its answer.
+                    pending.busy = true;
+                    return false;
+                }
                 let same = (pending.sink.as_ref()).is_some_and(|sink| Arc::ptr_eq(sink, self.sink));
                 if !same {
                     // Another sink's lines first, in their order.
@@ -117,6 +124,8 @@ struct Pending {
     /// Set the first time the thread parks in a runtime: only such a thread is sure to
     /// come back to [`flush_before_park`].
     batching: bool,
+    /// A line was logged since the thread last parked: the lines after it are held.
+    busy: bool,
     bytes: Vec<u8>,
     sink: Option<Arc<dyn Sink>>,
 }
@@ -142,6 +151,7 @@ thread_local! {
     static PENDING: RefCell<Pending> = const {
         RefCell::new(Pending {
             batching: false,
+            busy: false,
             bytes: Vec::new(),
             sink: None,
         })
@@ -154,8 +164,16 @@ pub fn flush_before_park() {
     let _ = PENDING.try_with(|pending| {
         let mut pending = pending.borrow_mut();
         pending.batching = true;
+        pending.busy = false;
         pending.write_out();
     });
+}
+
+/// Writes what this thread holds, as its runtime stops: the main thread of a one-core
+/// gateway is its worker, and a process's main thread may end without running the
+/// destructors of its thread-local values.
+pub fn flush_thread() {
+    let _ = PENDING.try_with(|pending| pending.borrow_mut().write_out());
 }
 
 #[cfg(test)]
@@ -200,7 +218,7 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_writes_its_lines_in_one_call_when_it_runs_out_of_work() {
+    fn a_worker_writes_its_first_line_at_once_and_the_rest_when_it_runs_out_of_work() {
         let (writer, written) = channel();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -212,8 +230,10 @@ mod tests {
                 // As if the worker had parked before: the task runs on a batching thread.
                 flush_before_park();
                 log(&writer, "first\n");
+                assert_eq!(written.try_recv().unwrap(), b"first\n");
                 log(&writer, "second\n");
-                // Still working: nothing is written yet.
+                log(&writer, "third\n");
+                // Still working: the lines after the first wait.
                 written.try_recv().unwrap_err();
                 written
             })
@@ -221,7 +241,21 @@ mod tests {
             .unwrap()
         });
         // The task is done and the worker has nothing else to do: it parks and writes.
-        assert_eq!(written.recv_timeout(BOUND).unwrap(), b"first\nsecond\n");
+        assert_eq!(written.recv_timeout(BOUND).unwrap(), b"second\nthird\n");
+    }
+
+    #[test]
+    fn a_thread_that_sleeps_between_lines_writes_each_at_once() {
+        let (writer, written) = channel();
+        std::thread::spawn(move || {
+            for line in ["one\n", "two\n", "three\n"] {
+                flush_before_park();
+                log(&writer, line);
+                assert_eq!(written.try_recv().unwrap(), line.as_bytes());
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
@@ -229,6 +263,8 @@ mod tests {
         let (writer, written) = channel();
         std::thread::spawn(move || {
             flush_before_park();
+            log(&writer, "first\n");
+            assert_eq!(written.try_recv().unwrap(), b"first\n");
             let line = format!("{}\n", "x".repeat(1023));
             for _ in 0..FLUSH_AT / line.len() - 1 {
                 log(&writer, &line);
@@ -242,24 +278,32 @@ mod tests {
     }
 
     #[test]
-    fn a_park_writes_what_the_thread_holds_and_a_thread_that_ends_writes_the_rest() {
+    fn a_park_or_a_stop_writes_what_the_thread_holds_and_a_thread_that_ends_writes_the_rest() {
         let (writer, written) = channel();
         let (other, other_written) = channel();
         std::thread::spawn(move || {
             flush_before_park();
             log(&writer, "a\n");
-            flush_before_park();
             assert_eq!(written.try_recv().unwrap(), b"a\n");
             log(&writer, "b\n");
-            // Another sink's line: what the first holds goes out first, in its order.
-            log(&other, "c\n");
+            written.try_recv().unwrap_err();
+            flush_before_park();
             assert_eq!(written.try_recv().unwrap(), b"b\n");
-            log(&other, "d\n");
+            log(&writer, "c\n");
+            log(&writer, "d\n");
+            written.try_recv().unwrap();
+            flush_thread();
+            assert_eq!(written.try_recv().unwrap(), b"d\n");
+            log(&writer, "e\n");
+            // Another sink's line: what the first holds goes out first, in its order.
+            log(&other, "f\n");
+            assert_eq!(written.try_recv().unwrap(), b"e\n");
+            log(&other, "g\n");
             (written, other_written)
         })
         .join()
         .map(|(_, other_written)| {
-            assert_eq!(other_written.recv_timeout(BOUND).unwrap(), b"c\nd\n");
+            assert_eq!(other_written.recv_timeout(BOUND).unwrap(), b"f\ng\n");
         })
         .unwrap();
     }

@@ -215,13 +215,15 @@ fn serve(path: Option<PathBuf>) -> ExitCode {
     let mut runtime = runtime_for(cores());
     runtime.enable_all();
     if config.log.buffered {
-        // A worker writes the log lines it holds when it runs out of work.
+        // A busy worker writes the log lines it holds when it runs out of work.
         runtime.on_thread_park(idemgate::logsink::flush_before_park);
     }
     let runtime = runtime.build().expect("the tokio runtime starts");
     #[cfg(feature = "profile")]
     let _profile = profile::Sampler::start();
-    match runtime.block_on(idemgate::run(config, shutdown_signal())) {
+    let served = runtime.block_on(idemgate::run(config, shutdown_signal()));
+    idemgate::logsink::flush_thread();
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idemgate: {e}");

@@ -872,12 +872,14 @@ async fn the_gateway_process_runs_without_transparent_huge_pages() {
     assert_eq!(thp, "0", "{status}");
 }
 
+/// Lines a busy worker holds are written once it runs out of work, without a stop to flush
+/// them: many requests at once, on the default log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_log_lines_are_written_once_the_gateway_runs_out_of_work() {
+async fn held_log_lines_are_written_once_the_gateway_runs_out_of_work() {
+    const REQUESTS: usize = 16;
     let provider = answering(completion()).await;
     let dir = tempfile::tempdir().unwrap();
-    let (config, port, admin) =
-        process_config(dir.path(), &provider.uri(), "[log]\nbuffered = true").await;
+    let (config, port, admin) = process_config(dir.path(), &provider.uri(), "").await;
     let mut gateway = spawn_gateway_logging(&config, port, admin, "info", Stdio::piped()).await;
     let stderr = gateway.child.stderr.take().unwrap();
     let (lines, mut logged) = tokio::sync::mpsc::unbounded_channel();
@@ -890,34 +892,53 @@ async fn buffered_log_lines_are_written_once_the_gateway_runs_out_of_work() {
             }
         }
     });
-    let sent = send(
-        &client(),
-        Method::POST,
-        &format!("{}{CHAT}", gateway.base),
-        &[
-            ("authorization", "Bearer a"),
-            ("idempotency-key", "k"),
-            ("x-request-id", "req-buffered"),
-        ],
-        chat_request(),
-    )
-    .await;
-    assert_eq!(sent.status, 200);
-    // Nothing else happens: the worker runs out of work and writes what it holds.
-    let line = tokio::time::timeout(PATIENCE, async {
-        loop {
+    let client = client();
+    let mut sends = tokio::task::JoinSet::new();
+    for n in 0..REQUESTS {
+        let client = client.clone();
+        let url = format!("{}{CHAT}", gateway.base);
+        sends.spawn(async move {
+            let key = format!("k{n}");
+            let id = format!("req-held-{n}");
+            let sent = send(
+                &client,
+                Method::POST,
+                &url,
+                &[
+                    ("authorization", "Bearer a"),
+                    ("idempotency-key", key.as_str()),
+                    ("x-request-id", id.as_str()),
+                ],
+                chat_request(),
+            )
+            .await;
+            assert_eq!(sent.status, 200);
+        });
+    }
+    while let Some(sent) = sends.join_next().await {
+        sent.unwrap();
+    }
+    // Nothing else happens: every worker runs out of work and writes what it holds.
+    let mut seen = std::collections::HashSet::new();
+    tokio::time::timeout(PATIENCE, async {
+        while seen.len() < REQUESTS {
             let line = logged
                 .recv()
                 .await
                 .expect("the gateway's stderr stays open");
-            if line.contains("request_id=req-buffered") {
-                return line;
+            if let Some(at) = line.find("request_id=req-held-") {
+                assert!(line.contains("outcome=new"), "{line}");
+                seen.insert(line[at..].to_owned());
             }
         }
     })
     .await
-    .expect("the line is written while the gateway runs, without a stop to flush it");
-    assert!(line.contains("outcome=new"), "{line}");
+    .unwrap_or_else(|_| {
+        panic!(
+            "{} of {REQUESTS} lines written while the gateway runs",
+            seen.len()
+        )
+    });
 }
 
 /// The access line is written without `tracing`, but the log's filter still decides.

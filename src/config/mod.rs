@@ -47,8 +47,9 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// A `tracing` filter: `info`, `warn`, `idemgate=debug,info`, …; `IDEMGATE_LOG` overrides it.
     pub level: String,
-    /// Lines kept per worker thread and written in one call when it runs out of work, instead
-    /// of one write each before the answer they describe (`logsink`).
+    /// A busy worker thread keeps the lines after its first and writes them in one call when
+    /// it runs out of work; `false`: one write each, before the answer it describes
+    /// (`logsink`).
     pub buffered: bool,
 }
 
@@ -378,6 +379,19 @@ mod tests {
         assert!(r.failover_on.covers_status(503));
         assert!(!r.failover_on.covers_status(504));
         assert!(!r.failover_on.covers_status(400));
+        assert_eq!(c.log.format, LogFormat::Text);
+        assert_eq!(c.log.level, "info");
+        assert!(c.log.buffered);
+    }
+
+    #[test]
+    fn the_log_can_write_each_line_before_its_answer() {
+        let c = Config::parse(
+            &format!("{MINIMAL}\n[log]\nbuffered = false\n"),
+            "test.toml",
+        )
+        .unwrap();
+        assert!(!c.log.buffered);
     }
 
     #[test]

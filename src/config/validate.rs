@@ -131,7 +131,7 @@ impl Validator<'_> {
         LogConfig {
             format,
             level,
-            buffered: raw.buffered.unwrap_or(false),
+            buffered: raw.buffered.unwrap_or(true),
         }
     }
 
