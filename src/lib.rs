@@ -41,6 +41,7 @@
 //! - [`probe`]: proving a fallback holds the primary's contract (SPEC §6).
 //! - [`admin`]: health, readiness, metrics, job inspection and cancel (SPEC §8).
 //! - [`metrics`]: the Prometheus metrics.
+//! - [`idle`]: whether the runtime's workers ran out of work, for the store's writer.
 //! - [`error`]: every gateway error, from a typed cause to `application/problem+json` (SPEC §7).
 //! - `server`: the hyper accept loop with graceful shutdown.
 //! - [`alloc`]: the binary's global allocator, mimalloc.
@@ -70,6 +71,7 @@ pub mod engine;
 pub mod error;
 pub mod gateway;
 pub mod headers;
+pub mod idle;
 pub mod intent;
 pub mod job;
 pub mod logline;

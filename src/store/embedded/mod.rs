@@ -371,6 +371,7 @@ impl EmbeddedStore {
             changed: changed.clone(),
             policy,
             stats: stats.clone(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         };
         let thread = std::thread::Builder::new()
             .name("idemgate-store".into())

@@ -20,15 +20,16 @@ use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
 
 /// Most operations in one group.
 const MAX_GROUP: usize = 512;
-/// The smallest group after which the next one gathers…
+/// The smallest group after which the next one gathers: until the runtime's workers run
+/// out of work (they queue every operation), at most [`GATHER_MAX`]…
 const GATHER_FROM: usize = 4;
-/// …for this long per operation the group before carried, at most [`GATHER_MAX`]: 0.5 ms
-/// after a group of 32. At 32 clients on one core (`benches/overhead.sh`), groups of ~17
-/// operations gathered for 0.5 ms answered 7 040–7 150 new jobs a second; gathered for
-/// 0.1 ms, groups of ~10, 6 000–6 700; for 1 and 1.5 ms the writer waited on operations that
-/// were not coming (6 600–7 000 and 5 300–5 900).
-const GATHER_PER_OPERATION: Duration = Duration::from_micros(15);
 const GATHER_MAX: Duration = Duration::from_millis(1);
+/// …or, in a runtime without the park hooks ([`crate::idle`]), for this long per operation
+/// the group before carried: 0.5 ms after a group of 32. At 32 clients on one core
+/// (`benches/overhead.sh`), groups of ~17 operations gathered for 0.5 ms answered 7 040–7 150
+/// new jobs a second; gathered for 0.1 ms, groups of ~10, 6 000–6 700; for 1 and 1.5 ms the
+/// writer waited on operations that were not coming (6 600–7 000 and 5 300–5 900).
+const GATHER_PER_OPERATION: Duration = Duration::from_micros(15);
 /// Most expired jobs one sweep operation deletes. A deletion is a lookup and a small frame,
 /// so a batch adds well under a millisecond to the group it shares.
 pub(super) const SWEEP_LIMIT: usize = 256;
@@ -141,6 +142,30 @@ impl Done {
             Self::Claim(reply, _) => drop(reply.send(Err(e))),
             Self::Apply(reply, _) => drop(reply.send(Err(e))),
             Self::Sweep(reply, _) => drop(reply.send(Err(e))),
+        }
+    }
+}
+
+/// A synced group's answers and the jobs whose waiters it wakes, handed to the runtime as
+/// one task. Sent from the writer thread, each answer woke the runtime's worker on its own:
+/// on a gateway pinned to one core the woken worker ran at once, handled that one answer and
+/// slept again before the writer sent the next — an `eventfd` write and two context switches
+/// per operation. Sent from a task, the answers wake their tasks inside the runtime, and the
+/// group costs one wake-up. Whatever is not delivered when dropped (the task never ran: the
+/// runtime had shut down) is delivered by the drop, from whichever thread drops it.
+struct Delivery {
+    done: Vec<Done>,
+    touched: Vec<JobId>,
+    changed: Arc<Changes>,
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        for reply in self.done.drain(..) {
+            reply.send();
+        }
+        for id in self.touched.drain(..) {
+            self.changed.of(&id).notify_waiters();
         }
     }
 }
@@ -298,6 +323,8 @@ pub(super) struct Writer {
     pub(super) changed: Arc<Changes>,
     pub(super) policy: ExpiryPolicy,
     pub(super) stats: Arc<CommitStats>,
+    /// The runtime the store was opened in, where a group's answers are delivered.
+    pub(super) runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Writer {
@@ -332,11 +359,12 @@ impl Writer {
         while let Some(first) = queue.blocking_recv() {
             ops.push(first);
             // Under load, let the group fill before its sync: a sync costs the same whatever
-            // it carries (tens of µs of the kernel's CPU, ~150 µs in all, for 4 KiB as for
+            // it carries (tens of µs of the kernel's CPU, ~100 µs in all, for 4 KiB as for
             // 64), and woken at once the writer takes the one or two operations that woke
-            // it. The more the group before carried, the longer it waits, a millisecond at
-            // most; a lone request, or a few, never wait.
-            if last_group >= GATHER_FROM {
+            // it. The workers queue every operation: once they have nothing left to do,
+            // nothing more is coming before the sync answers. A lone request, or a few,
+            // never wait.
+            if last_group >= GATHER_FROM && !crate::idle::wait_for_idle(GATHER_MAX) {
                 let wait = GATHER_PER_OPERATION * last_group.min(MAX_GROUP) as u32;
                 std::thread::sleep(wait.min(GATHER_MAX));
             }
@@ -448,11 +476,17 @@ impl Writer {
                 use std::sync::atomic::Ordering::Relaxed;
                 self.stats.commits.fetch_add(1, Relaxed);
                 self.stats.operations.fetch_add(done.len() as u64, Relaxed);
-                for reply in done {
-                    reply.send();
-                }
-                for id in touched {
-                    self.changed.of(&id).notify_waiters();
+                let delivery = Delivery {
+                    done,
+                    touched,
+                    changed: self.changed.clone(),
+                };
+                match &self.runtime {
+                    // One answer wakes the runtime once either way.
+                    Some(runtime) if delivery.done.len() > 1 => {
+                        drop(runtime.spawn(async move { drop(delivery) }));
+                    }
+                    _ => drop(delivery),
                 }
             }
             Err(e) => {
