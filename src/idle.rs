@@ -109,7 +109,10 @@ mod tests {
                 assert!(spun.elapsed() < LONG, "the waiter never waited");
                 std::hint::spin_loop();
             }
-            assert!(returned.try_recv().is_err(), "returned while the worker was busy");
+            assert!(
+                returned.try_recv().is_err(),
+                "returned while the worker was busy"
+            );
             // Nothing to do but wait for it: the worker parks, and the waiter returns.
             tokio::time::timeout(LONG / 2, returned)
                 .await

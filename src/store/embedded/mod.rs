@@ -723,6 +723,22 @@ mod tests {
         record
     }
 
+    /// A row is the record with its answer blanked, field for field: in the store's
+    /// encoding and, for the names, in JSON.
+    #[test]
+    fn a_row_encodes_as_the_record_without_its_answer() {
+        let record = settled("owner", "key", "{\"answer\":42}");
+        assert!(record.job.response.is_some() && !record.attempts.is_empty());
+        let mut blanked = record.clone();
+        blanked.job.response = None;
+        let row = tables::Unanswered(&record);
+        assert_eq!(encode(&row), encode(&blanked));
+        assert_eq!(
+            serde_json::to_value(&row).unwrap(),
+            serde_json::to_value(&blanked).unwrap()
+        );
+    }
+
     #[test]
     fn row_keys_put_time_first_and_never_meet_other_ids() {
         let id = new_job_id("owner", "key");

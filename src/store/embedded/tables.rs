@@ -158,13 +158,43 @@ impl<'t> Tables<'t> {
 }
 
 /// A record encoded as its row: everything but its answer, which has a table of its own
-/// (written once, when an attempt wins, and read only by replays).
-struct Unanswered<'a>(&'a JobRecord);
+/// (written once, when an attempt wins, and read only by replays). The same encoding as
+/// the record with `response: None`, written field by field from the record itself: a
+/// checkpoint writes every job it takes, and a copy of each record only to blank its answer
+/// was a tenth of a checkpoint's allocations. A test holds the two encodings equal.
+pub(super) struct Unanswered<'a>(pub(super) &'a JobRecord);
 
 impl serde::Serialize for Unanswered<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut record = self.0.clone();
-        record.job.response = None;
-        record.serialize(serializer)
+        use serde::ser::SerializeStruct;
+        let mut record = serializer.serialize_struct("JobRecord", 2)?;
+        record.serialize_field("job", &UnansweredJob(&self.0.job))?;
+        record.serialize_field("attempts", &self.0.attempts)?;
+        record.end()
+    }
+}
+
+/// [`crate::job::Job`]'s fields in their order, its answer left out.
+struct UnansweredJob<'a>(&'a crate::job::Job);
+
+impl serde::Serialize for UnansweredJob<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let job = self.0;
+        let mut out = serializer.serialize_struct("Job", 13)?;
+        out.serialize_field("id", &job.id)?;
+        out.serialize_field("owner", &job.owner)?;
+        out.serialize_field("key", &job.key)?;
+        out.serialize_field("fingerprint", &job.fingerprint)?;
+        out.serialize_field("route", &job.route)?;
+        out.serialize_field("state", &job.state)?;
+        out.serialize_field("version", &job.version)?;
+        out.serialize_field("completed_by", &job.completed_by)?;
+        out.serialize_field("created_at", &job.created_at)?;
+        out.serialize_field("updated_at", &job.updated_at)?;
+        out.serialize_field("expires_at", &job.expires_at)?;
+        out.serialize_field("lease_until", &job.lease_until)?;
+        out.serialize_field("response", &None::<crate::job::StoredResponse>)?;
+        out.end()
     }
 }
