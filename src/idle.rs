@@ -9,7 +9,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// Set once the hooks are installed.
 static HOOKED: AtomicBool = AtomicBool::new(false);
