@@ -529,3 +529,73 @@ fn checkpoint_loop(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn swept(n: usize) -> (Done, oneshot::Receiver<Result<Swept, StoreError>>) {
+        let (reply, answer) = oneshot::channel();
+        let result = Ok(Swept {
+            removed: n,
+            next: None,
+        });
+        (Done::Sweep(reply, result), answer)
+    }
+
+    fn removed(answer: oneshot::Receiver<Result<Swept, StoreError>>) -> usize {
+        answer.blocking_recv().unwrap().unwrap().removed
+    }
+
+    /// A delivery spawned on a runtime that has shut down is never run: its drop answers.
+    #[test]
+    fn a_delivery_the_runtime_never_runs_still_answers() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let handle = runtime.handle().clone();
+        drop(runtime);
+        let (first, first_answer) = swept(1);
+        let (second, second_answer) = swept(2);
+        let delivery = Delivery {
+            done: vec![first, second],
+            touched: vec!["job".into()],
+            changed: Arc::new(Changes::new()),
+        };
+        drop(handle.spawn(async move { drop(delivery) }));
+        assert_eq!(removed(first_answer), 1);
+        assert_eq!(removed(second_answer), 2);
+    }
+
+    /// On a running runtime the answers are sent from its task, and a waiter of a touched
+    /// job is woken after them.
+    #[test]
+    fn a_delivery_answers_and_wakes_from_a_task() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let changed = Arc::new(Changes::new());
+        let (first, first_answer) = swept(1);
+        let (second, second_answer) = swept(2);
+        let delivery = Delivery {
+            done: vec![first, second],
+            touched: vec!["job".into()],
+            changed: changed.clone(),
+        };
+        let handle = runtime.handle().clone();
+        runtime.block_on(async move {
+            let woken = changed.of("job").notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            // From another thread, as the writer spawns it.
+            std::thread::spawn(move || drop(handle.spawn(async move { drop(delivery) })))
+                .join()
+                .unwrap();
+            let bound = std::time::Duration::from_secs(10);
+            tokio::time::timeout(bound, woken).await.expect("woken");
+            assert_eq!(first_answer.await.unwrap().unwrap().removed, 1);
+            assert_eq!(second_answer.await.unwrap().unwrap().removed, 2);
+        });
+    }
+}
