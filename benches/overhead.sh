@@ -498,7 +498,7 @@ END {
     printf "CPU %.2f × nginx (target ≤ 4.54): %s\n", cpu[i] / cpu[nginx], verdict(cpu[i] <= 4.54 * cpu[nginx])
   }
   if ((i = find("new job, embedded"))) {
-    if (memory) printf "new job, embedded: %.2f × the memory store'"'"'s req/s (target ≥ 0.5): %s", rps[i] / rps[memory], verdict(rps[i] >= 0.5 * rps[memory])
+    if (memory) printf "new job, embedded: %.3f × the memory store'"'"'s req/s (target ≥ 0.5): %s", rps[i] / rps[memory], verdict(rps[i] >= 0.5 * rps[memory])
     if (fsync != "") printf "; added p50 +%d µs (target ≤ one fsync, %d µs, + 150 = %d µs): %s", p50[i] - p50[direct], fsync, fsync + 150, verdict(p50[i] - p50[direct] <= fsync + 150)
     printf "\n"
     if (fsync != "") printf "disk: a 4 KiB write and its fdatasync %d µs (p50), %d µs of it the kernel'"'"'s CPU\n", fsync, fsync_cpu
