@@ -21,15 +21,18 @@ use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
 /// Most operations in one group.
 const MAX_GROUP: usize = 512;
 /// The smallest group after which the next one gathers: until the runtime's workers run
-/// out of work (they queue every operation), at most [`GATHER_MAX`]…
+/// out of work (they queue every operation), at most twice…
 const GATHER_FROM: usize = 4;
-const GATHER_MAX: Duration = Duration::from_millis(1);
-/// …or, in a runtime without the park hooks ([`crate::idle`]), for this long per operation
-/// the group before carried: 0.5 ms after a group of 32. At 32 clients on one core
-/// (`benches/overhead.sh`), groups of ~17 operations gathered for 0.5 ms answered 7 040–7 150
-/// new jobs a second; gathered for 0.1 ms, groups of ~10, 6 000–6 700; for 1 and 1.5 ms the
-/// writer waited on operations that were not coming (6 600–7 000 and 5 300–5 900).
+/// …this long per operation the group before carried, and at most [`GATHER_MAX`]; in a
+/// runtime without the park hooks ([`crate::idle`]), for that long: 0.5 ms after a group of
+/// 32. At 32 clients on one core (`benches/overhead.sh`), groups of ~17 operations gathered
+/// for 0.5 ms answered 7 040–7 150 new jobs a second; gathered for 0.1 ms, groups of ~10,
+/// 6 000–6 700; for 1 and 1.5 ms the writer waited on operations that were not coming
+/// (6 600–7 000 and 5 300–5 900). The bound keeps a worker that never runs out of work (on
+/// a runtime of several, one busy with other requests) from holding a small group the
+/// whole millisecond.
 const GATHER_PER_OPERATION: Duration = Duration::from_micros(15);
+const GATHER_MAX: Duration = Duration::from_millis(1);
 /// Most expired jobs one sweep operation deletes. A deletion is a lookup and a small frame,
 /// so a batch adds well under a millisecond to the group it shares.
 pub(super) const SWEEP_LIMIT: usize = 256;
@@ -364,9 +367,11 @@ impl Writer {
             // it. The workers queue every operation: once they have nothing left to do,
             // nothing more is coming before the sync answers. A lone request, or a few,
             // never wait.
-            if last_group >= GATHER_FROM && !crate::idle::wait_for_idle(GATHER_MAX) {
+            if last_group >= GATHER_FROM {
                 let wait = GATHER_PER_OPERATION * last_group.min(MAX_GROUP) as u32;
-                std::thread::sleep(wait.min(GATHER_MAX));
+                if !crate::idle::wait_for_idle((wait * 2).min(GATHER_MAX)) {
+                    std::thread::sleep(wait.min(GATHER_MAX));
+                }
             }
             while ops.len() < MAX_GROUP {
                 match queue.try_recv() {
