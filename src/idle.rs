@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 /// Set once the hooks are installed.
 static HOOKED: AtomicBool = AtomicBool::new(false);
-/// Worker threads of the hooked runtime.
+/// Worker threads of the hooked runtime; until it is built, more than any count of parks.
 static WORKERS: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Workers parked right now.
 static PARKED: AtomicUsize = AtomicUsize::new(0);
@@ -26,15 +26,12 @@ static WAITERS: AtomicUsize = AtomicUsize::new(0);
 static IDLE: Mutex<u64> = Mutex::new(0);
 static WOKEN: Condvar = Condvar::new();
 
-/// Installs the park hooks on a runtime of `workers` worker threads (1 for a current-thread
-/// runtime), with `also` run first before each park (the log's batch).
+/// Installs the park hooks on a runtime's builder, with `also` run first before each park
+/// (the log's batch). They count once [`started`] has been told the built runtime.
 pub fn install(
     builder: &mut tokio::runtime::Builder,
-    workers: usize,
     also: Option<fn()>,
 ) -> &mut tokio::runtime::Builder {
-    WORKERS.store(workers.max(1), SeqCst);
-    HOOKED.store(true, SeqCst);
     builder
         .on_thread_park(move || {
             if let Some(also) = also {
@@ -43,6 +40,13 @@ pub fn install(
             before_park();
         })
         .on_thread_unpark(after_unpark)
+}
+
+/// The runtime built with the hooks: its worker count, as tokio settled it (1 for a
+/// current-thread runtime), is how many parked workers make it idle.
+pub fn started(runtime: &tokio::runtime::Runtime) {
+    WORKERS.store(runtime.metrics().num_workers().max(1), SeqCst);
+    HOOKED.store(true, SeqCst);
 }
 
 fn before_park() {
@@ -97,7 +101,8 @@ mod tests {
         const LONG: Duration = Duration::from_secs(60);
         assert!(!wait_for_idle(LONG), "no runtime has the hooks: at once");
         let mut builder = tokio::runtime::Builder::new_current_thread();
-        let runtime = install(&mut builder, 1, None).enable_all().build().unwrap();
+        let runtime = install(&mut builder, None).enable_all().build().unwrap();
+        started(&runtime);
         let (done, mut returned) = tokio::sync::oneshot::channel();
         let waiter = std::thread::spawn(move || {
             let started = Instant::now();
