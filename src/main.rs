@@ -364,11 +364,30 @@ mod profile {
         )
     }
 
+    /// Every sampled stack, outermost frame first, one line each with its count: the
+    /// input of `grep` and of flamegraph tools, for questions the summary does not answer.
+    fn folded(report: &pprof::Report) -> String {
+        let mut lines = String::new();
+        for (frames, count) in &report.data {
+            let names: Vec<String> = frames
+                .frames
+                .iter()
+                .rev()
+                .flat_map(|frame| frame.iter().rev().map(|symbol| symbol.name()))
+                .collect();
+            lines.push_str(&format!("{} {count}\n", names.join(";")));
+        }
+        lines
+    }
+
     impl Drop for Sampler {
         fn drop(&mut self) {
             let written = self.guard.report().build().map(|report| {
                 let summary = self.path.with_extension("txt");
                 std::fs::write(&summary, top_costs(&report))
+                    .and_then(|()| {
+                        std::fs::write(self.path.with_extension("folded"), folded(&report))
+                    })
                     .map_err(|e| e.to_string())
                     .and_then(|()| std::fs::File::create(&self.path).map_err(|e| e.to_string()))
                     .and_then(|file| report.flamegraph(file).map_err(|e| e.to_string()))
