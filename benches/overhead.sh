@@ -303,7 +303,13 @@ for store in $STORES; do
   writer=""
   if [[ "$store" == embedded ]]; then writer=idemgate-store,idemgate-ckpt; fi
   measure "idemgate, new job, $store" "http://127.0.0.1:$port/v1/chat/completions" fresh "$gw" "$writer"
-  if [[ "$store" == embedded ]]; then embedded_note="$thread_note"; fi
+  if [[ "$store" == embedded ]]; then
+    embedded_note="$thread_note"
+    # Keys as SDKs make them, random UUIDs: each claim lands on its own page of the key
+    # index, where counted keys share the rightmost ones.
+    measure "idemgate, new job, embedded, UUID keys" "http://127.0.0.1:$port/v1/chat/completions" uuid "$gw" "$writer"
+    embedded_note+=$'\n'"$thread_note"
+  fi
   if [[ "$store" == redis ]]; then
     # Redis's own time in the store's scripts (claim, settle), which the round trips of the
     # Redis target leave out: each script is several commands, each a few µs on this host.
