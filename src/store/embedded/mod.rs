@@ -35,8 +35,9 @@
 //!
 //! # Layout
 //!
-//! - `claims`: owner NUL key → job id (the identity index; owners are hex or `anonymous`
-//!   and keys visible ASCII, so NUL cannot appear in either).
+//! - `claim_rows`: row key → the hash of the job's (owner, key), from which the [claims]
+//!   index, in memory, is built at open. Files written before kept `claims`, owner NUL key
+//!   → job id; opening such a file builds `claim_rows` from the rows once and drops it.
 //! - `job_rows`: row key → the job and its attempts (postcard), without the stored answer.
 //! - `response_rows`: row key → the stored answer.
 //!
@@ -59,11 +60,13 @@ use redb::{Database, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info};
 
+mod claims;
 mod journal;
 mod overlay;
 mod tables;
 mod writer;
 
+use self::claims::{ClaimIndex, ClaimKey, CLAIM_ROWS};
 use self::journal::Journal;
 use self::overlay::Overlay;
 use self::tables::Tables;
@@ -71,12 +74,13 @@ use self::writer::{Change, Op, Writer};
 use super::{decode, encode, encode_into, Applied, Changes, Claim, JobStore, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
-const CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("job_rows");
 const RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("response_rows");
 /// The tables of files written before rows were keyed by time: id → the same values.
 const LEGACY_JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 const LEGACY_RESPONSES: TableDefinition<&str, &[u8]> = TableDefinition::new("responses");
+/// The claims of files written before `claim_rows`: owner NUL key → job id.
+const LEGACY_CLAIMS: TableDefinition<&[u8], &str> = TableDefinition::new("claims");
 const EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("expiry");
 /// Ids of the jobs that are `unknown`: what an operator must resolve, without a scan.
 const UNKNOWN: TableDefinition<&str, ()> = TableDefinition::new("unknown");
@@ -106,6 +110,10 @@ pub struct CommitStats {
 pub(super) struct Shared {
     db: Database,
     overlay: Mutex<Overlay>,
+    /// Which job holds each claim, for the jobs the file has. Brought up to date by a
+    /// checkpoint after its commit and before its changes leave the overlay, so a claim
+    /// is always in one or the other.
+    claims: Mutex<ClaimIndex>,
     /// The most jobs the overlay may hold: past it, checkpoints are failing (the file cannot
     /// be written while the journal can), and writes are refused until one succeeds rather
     /// than held in memory without end.
@@ -156,17 +164,46 @@ impl Shared {
         self.read(id, answer)
     }
 
-    /// The job holding a claim key: the overlay's, else the file's.
-    fn claimed(&self, key: &[u8]) -> Result<Option<JobId>, StoreError> {
-        if let Some(id) = self.overlay().claim(key) {
-            return Ok(id);
+    fn claims(&self) -> MutexGuard<'_, ClaimIndex> {
+        self.claims.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The job holding a claim key, at its latest version: the overlay's claim, else the
+    /// file's.
+    fn holder(&self, key: &ClaimKey) -> Result<Option<JobRecord>, StoreError> {
+        self.holder_with(key, |id| self.job(id))
+    }
+
+    /// As [`Shared::holder`], with jobs read by `load` (a group reads its own changes
+    /// first).
+    fn holder_with(
+        &self,
+        key: &ClaimKey,
+        load: impl Fn(&str) -> Result<Option<JobRecord>, StoreError>,
+    ) -> Result<Option<JobRecord>, StoreError> {
+        let claimed = self.overlay().claim(&key.bytes);
+        match claimed {
+            Some(Some(id)) => load(&id),
+            Some(None) => Ok(None),
+            None => {
+                let candidates = self.claims().candidates(key.hash);
+                for id in candidates {
+                    if let Some(found) = load(&id)?.filter(|found| key.names(found)) {
+                        return Ok(Some(found));
+                    }
+                }
+                Ok(None)
+            }
         }
-        let id = self
-            .table(CLAIMS)?
-            .get(key)
-            .map_err(|e| self.unavailable(e))?
-            .map(|id| id.value().to_owned());
-        Ok(id)
+    }
+
+    /// Whether job `id`, whose claim key `key` is, holds it in the overlay or the file.
+    fn holds(&self, key: &ClaimKey, id: &str) -> bool {
+        let claimed = self.overlay().claim(&key.bytes);
+        match claimed {
+            Some(holder) => holder.as_deref() == Some(id),
+            None => self.claims().candidates(key.hash).iter().any(|c| c == id),
+        }
     }
 
     /// The job as the file has it, with its answer if `answer` asks for it.
@@ -200,7 +237,7 @@ impl Shared {
         let snapshot = self.overlay().snapshot();
         if !snapshot.jobs.is_empty() {
             let txn = self.db.begin_write().map_err(|e| self.unavailable(e))?;
-            {
+            let changes = {
                 let mut tables = Tables::open(&txn).map_err(|e| self.unavailable(e))?;
                 for (id, version) in &snapshot.jobs {
                     match version {
@@ -209,8 +246,19 @@ impl Shared {
                     }
                     .map_err(|e| self.unavailable(e))?;
                 }
-            }
+                tables.into_claim_changes()
+            };
             txn.commit().map_err(|e| self.unavailable(e))?;
+            // The overlay holds these claims until the retirement below, so readers find
+            // them there meanwhile: the index takes them in short holds of its lock, not
+            // one as long as a checkpoint's thousands of changes.
+            let mut changes = changes.into_iter().peekable();
+            while changes.peek().is_some() {
+                let mut claims = self.claims();
+                for change in changes.by_ref().take(256) {
+                    claims.apply(change);
+                }
+            }
         }
         self.overlay().retire(snapshot.upto);
         Ok(())
@@ -316,8 +364,8 @@ impl EmbeddedStore {
             .begin_write()
             .map_err(|e| fail("cannot write to it", &e))?;
         {
-            txn.open_table(CLAIMS)
-                .map_err(|e| fail("cannot open table claims", &e))?;
+            txn.open_table(CLAIM_ROWS)
+                .map_err(|e| fail("cannot open table claim_rows", &e))?;
             txn.open_table(JOBS)
                 .map_err(|e| fail("cannot open table jobs", &e))?;
             txn.open_table(RESPONSES)
@@ -331,6 +379,8 @@ impl EmbeddedStore {
         }
         let moved = move_legacy_rows(&txn)
             .map_err(|e| fail("cannot move its jobs to the time-ordered layout", &e))?;
+        let filed = file_legacy_claims(&txn)
+            .map_err(|e| fail("cannot file its claims in time order", &e))?;
         let (mut journal, recovered) = Journal::open(path).map_err(|e| fail("its journal", &e))?;
         let replayed = recovered.len();
         {
@@ -350,6 +400,19 @@ impl EmbeddedStore {
         if moved > 0 {
             info!(path = %shown, jobs = moved, "embedded store: jobs moved to the time-ordered layout");
         }
+        if let Some(filed) = filed {
+            info!(path = %shown, jobs = filed, "embedded store: claims filed in time order");
+        }
+        let claims = db
+            .begin_read()
+            .map_err(|e| fail("cannot read it", &e))
+            .and_then(|txn| {
+                let rows = txn
+                    .open_table(CLAIM_ROWS)
+                    .map_err(|e| fail("cannot open table claim_rows", &e))?;
+                ClaimIndex::load(&rows).map_err(|e| fail("cannot read its claims", &e))
+            })?;
+        debug!(path = %shown, jobs = claims.len(), "embedded store: claim index loaded");
         if replayed > 0 {
             info!(path = %shown, changes = replayed, "embedded store: changes applied from its journal");
         }
@@ -357,6 +420,7 @@ impl EmbeddedStore {
         let shared = Arc::new(Shared {
             db,
             overlay: Mutex::new(Overlay::default()),
+            claims: Mutex::new(claims),
             overlay_limit,
             path: shown.clone(),
             #[cfg(test)]
@@ -434,11 +498,11 @@ impl EmbeddedStore {
     }
 
     /// The live job of (owner, key), if any.
-    fn read_claim(&self, key: &[u8], now: SystemTime) -> Result<Option<JobRecord>, StoreError> {
-        let Some(id) = self.shared.claimed(key)? else {
-            return Ok(None);
-        };
-        Ok(self.shared.job(&id)?.filter(|found| !found.is_expired(now)))
+    fn read_claim(&self, key: &ClaimKey, now: SystemTime) -> Result<Option<JobRecord>, StoreError> {
+        Ok(self
+            .shared
+            .holder(key)?
+            .filter(|found| !found.is_expired(now)))
     }
 }
 
@@ -471,6 +535,31 @@ fn move_legacy_rows(txn: &redb::WriteTransaction) -> tables::TxResult<usize> {
     Ok(moved)
 }
 
+/// Builds `claim_rows` from the rows of a file written with a `claims` table, and drops
+/// that; returns how many jobs it filed, `None` for a file that has no `claims` table.
+fn file_legacy_claims(txn: &redb::WriteTransaction) -> tables::TxResult<Option<usize>> {
+    use redb::TableHandle;
+    let present = txn
+        .list_tables()?
+        .any(|table| table.name() == LEGACY_CLAIMS.name());
+    if !present {
+        return Ok(None);
+    }
+    let mut filed = 0;
+    {
+        let jobs = txn.open_table(JOBS)?;
+        let mut rows = txn.open_table(CLAIM_ROWS)?;
+        for row in jobs.iter()? {
+            let (row, value) = row?;
+            let record: JobRecord = decode(value.value())?;
+            rows.insert(row.value(), ClaimKey::of(&record).hash)?;
+            filed += 1;
+        }
+    }
+    txn.delete_table(LEGACY_CLAIMS)?;
+    Ok(Some(filed))
+}
+
 /// The key of a job's rows in `job_rows` and `response_rows`: `t`, the id's time-ordered
 /// part, then its shard tag — a permutation of the id, so lookups by id need no index. An
 /// id not minted by [`crate::job::new_job_id`] is kept whole behind `i`.
@@ -482,21 +571,20 @@ fn row_key(id: &str) -> String {
     }
 }
 
+/// The job id of a row key: [`row_key`]'s inverse.
+fn id_of_row(row: &str) -> JobId {
+    match row.strip_prefix('t') {
+        Some(rest) if rest.len() >= crate::job::SHARD_TAG_LEN => {
+            let (time, tag) = rest.split_at(rest.len() - crate::job::SHARD_TAG_LEN);
+            ["job_", tag, time].concat()
+        }
+        _ => row.strip_prefix('i').unwrap_or(row).to_owned(),
+    }
+}
+
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn claim_key(record: &JobRecord) -> Vec<u8> {
-    claim_key_of(&record.job.owner, &record.job.key)
-}
-
-fn claim_key_of(owner: &str, key: &str) -> Vec<u8> {
-    let mut claim = Vec::with_capacity(owner.len() + 1 + key.len());
-    claim.extend_from_slice(owner.as_bytes());
-    claim.push(0);
-    claim.extend_from_slice(key.as_bytes());
-    claim
 }
 
 /// Deletes every job due at `now`, [`writer::SWEEP_LIMIT`] at most per operation, so the claims and
@@ -533,11 +621,13 @@ impl JobStore for EmbeddedStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
         // A key that names a live job needs no write: answer from a read, so replays and
         // duplicates never queue behind the writer or pay for a sync.
-        if let Some(existing) = self.read_claim(&claim_key(&record), now)? {
+        let key = ClaimKey::of(&record);
+        if let Some(existing) = self.read_claim(&key, now)? {
             return Ok(Claim::Existing(existing));
         }
         self.submit(|reply| Op::Claim {
             record: Box::new(record),
+            key,
             now,
             reply,
         })
@@ -624,10 +714,7 @@ impl JobStore for EmbeddedStore {
     }
 
     async fn find(&self, owner: &str, key: &str) -> Result<Option<JobRecord>, StoreError> {
-        match self.shared.claimed(&claim_key_of(owner, key))? {
-            Some(id) => self.shared.job(&id),
-            None => Ok(None),
-        }
+        self.shared.holder(&ClaimKey::new(owner, key))
     }
 
     async fn count_unknown(&self) -> Result<usize, StoreError> {
@@ -796,11 +883,9 @@ mod tests {
     fn dump(db: &Database) -> Vec<String> {
         let txn = db.begin_read().unwrap();
         let mut rows = Vec::new();
-        for (name, table) in [("claims", txn.open_table(CLAIMS).unwrap())] {
-            for entry in table.iter().unwrap() {
-                let (k, v) = entry.unwrap();
-                rows.push(format!("{name} {:?} {}", k.value(), v.value()));
-            }
+        for entry in txn.open_table(CLAIM_ROWS).unwrap().iter().unwrap() {
+            let (k, v) = entry.unwrap();
+            rows.push(format!("claim_rows {} {}", k.value(), v.value()));
         }
         for (name, def) in [("jobs", JOBS), ("responses", RESPONSES)] {
             for entry in txn.open_table(def).unwrap().iter().unwrap() {
@@ -983,7 +1068,7 @@ mod tests {
         assert!(rows
             .iter()
             .any(|r| r.starts_with("in_progress") && r.contains(&running_id)));
-        assert_eq!(rows.iter().filter(|r| r.starts_with("claims")).count(), 2);
+        assert_eq!(rows.iter().filter(|r| r.starts_with("claim_rows")).count(), 2);
     }
 
     #[tokio::test]
@@ -1138,9 +1223,9 @@ mod tests {
                 responses
                     .insert(id.as_str(), encode(&response).as_slice())
                     .unwrap();
-                let mut claims = txn.open_table(CLAIMS).unwrap();
+                let mut claims = txn.open_table(LEGACY_CLAIMS).unwrap();
                 claims
-                    .insert(claim_key(&row).as_slice(), id.as_str())
+                    .insert(ClaimKey::of(&row).bytes.as_slice(), id.as_str())
                     .unwrap();
                 let mut expiry = txn.open_table(EXPIRY).unwrap();
                 expiry
@@ -1176,9 +1261,101 @@ mod tests {
                 .collect()
         };
         assert!(
-            !names.iter().any(|n| n == "jobs" || n == "responses"),
+            !names
+                .iter()
+                .any(|n| n == "jobs" || n == "responses" || n == "claims"),
             "{names:?}"
         );
         assert!(names.iter().any(|n| n == "job_rows"), "{names:?}");
+        let filed = txn.open_table(CLAIM_ROWS).unwrap();
+        assert_eq!(
+            filed.get(row_key(&id).as_str()).unwrap().map(|h| h.value()),
+            Some(ClaimKey::new("owner", "k1").hash)
+        );
+    }
+
+    #[tokio::test]
+    async fn claims_are_found_again_after_a_reopen_and_a_sweep_files_them_away() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("claims.db");
+        let now = crate::clock::now();
+        let keys: Vec<String> = (0..300).map(|i| format!("{:08x}-key", i * 7919)).collect();
+        let mut ids = Vec::new();
+        {
+            let store = EmbeddedStore::open(&path, POLICY).unwrap();
+            for key in &keys {
+                let Claim::Created(record) = store.claim(fresh("o", key, now), now).await.unwrap()
+                else {
+                    panic!("a new job");
+                };
+                ids.push(record.job.id);
+            }
+            // Half reach the file by a checkpoint, half by the journal at the next open.
+            store.checkpoint().await.unwrap();
+            for key in &keys[..150] {
+                let Claim::Existing(found) = store.claim(fresh("o", key, now), now).await.unwrap()
+                else {
+                    panic!("{key} was claimed");
+                };
+                assert_eq!(found.job.key, *key);
+            }
+        }
+        let store = EmbeddedStore::open(&path, POLICY).unwrap();
+        assert_eq!(store.shared.claims().len(), keys.len());
+        for (key, id) in keys.iter().zip(&ids) {
+            let found = store.find("o", key).await.unwrap().expect("the job of its key");
+            assert_eq!(&found.job.id, id);
+            match store.claim(fresh("o", key, now), now).await.unwrap() {
+                Claim::Existing(existing) => assert_eq!(&existing.job.id, id),
+                Claim::Created(_) => panic!("{key} was claimed twice"),
+            }
+            assert!(store.find("other", key).await.unwrap().is_none());
+        }
+        // Swept jobs leave the index with their rows, once checkpointed.
+        let later = now + POLICY.retention + POLICY.late_result_window + Duration::from_secs(1);
+        let swept = sweep_due(&store.writer.downgrade(), later).await;
+        assert_eq!(swept.expect("the store is open").unwrap(), keys.len());
+        store.checkpoint().await.unwrap();
+        assert_eq!(store.shared.claims().len(), 0);
+        assert!(store.find("o", &keys[0]).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_job_filed_under_another_keys_hash_is_not_that_keys_job() {
+        // Two identities whose hashes share 64 bits cannot be made on purpose: the file is
+        // written as if they did, the job of "k1" filed under the hash of "k2" as well.
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("collide.db");
+        let now = crate::clock::now();
+        let first = {
+            let store = EmbeddedStore::open(&path, POLICY).unwrap();
+            let Claim::Created(first) = store.claim(fresh("o", "k1", now), now).await.unwrap()
+            else {
+                panic!("a new job");
+            };
+            first
+        };
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut rows = txn.open_table(CLAIM_ROWS).unwrap();
+                let row = row_key(&first.job.id);
+                // The row key names the job; its value, the hash it is filed under.
+                rows.insert(row.as_str(), ClaimKey::new("o", "k2").hash)
+                    .unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let store = EmbeddedStore::open(&path, POLICY).unwrap();
+        let k2 = ClaimKey::new("o", "k2");
+        assert_eq!(store.shared.claims().candidates(k2.hash), vec![first.job.id.clone()]);
+        assert!(store.find("o", "k2").await.unwrap().is_none());
+        let Claim::Created(second) = store.claim(fresh("o", "k2", now), now).await.unwrap() else {
+            panic!("k2 is a job of its own");
+        };
+        assert_ne!(second.job.id, first.job.id);
+        let again = store.find("o", "k2").await.unwrap().expect("k2's job");
+        assert_eq!(again.job.id, second.job.id);
     }
 }

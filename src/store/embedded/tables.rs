@@ -8,12 +8,14 @@ use super::writer::Change;
 use super::*;
 
 pub(super) struct Tables<'t> {
-    claims: Table<'t, &'static [u8], &'static str>,
+    claim_rows: Table<'t, &'static str, u64>,
     jobs: Table<'t, &'static str, &'static [u8]>,
     responses: Table<'t, &'static str, &'static [u8]>,
     expiry: Table<'t, (u64, &'static str), ()>,
     unknown: Table<'t, &'static str, ()>,
     in_progress: Table<'t, &'static str, u64>,
+    /// What the claim index must take once the transaction is committed.
+    claim_changes: Vec<claims::Change>,
 }
 
 /// What the secondary indexes (`expiry`, `unknown`, `in_progress`) hold for one job; all
@@ -52,13 +54,19 @@ pub(super) type TxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>
 impl<'t> Tables<'t> {
     pub(super) fn open(txn: &'t WriteTransaction) -> Result<Self, redb::TableError> {
         Ok(Self {
-            claims: txn.open_table(CLAIMS)?,
+            claim_rows: txn.open_table(CLAIM_ROWS)?,
             jobs: txn.open_table(JOBS)?,
             responses: txn.open_table(RESPONSES)?,
             expiry: txn.open_table(EXPIRY)?,
             unknown: txn.open_table(UNKNOWN)?,
             in_progress: txn.open_table(IN_PROGRESS)?,
+            claim_changes: Vec::new(),
         })
+    }
+
+    /// The changes the claim index must take once the transaction is committed.
+    pub(super) fn into_claim_changes(self) -> Vec<claims::Change> {
+        self.claim_changes
     }
 
     /// Applies one journal frame.
@@ -78,22 +86,17 @@ impl<'t> Tables<'t> {
     }
 
     /// Writes `record` as its job's latest version, its answer to its own table, and moves
-    /// the index entries that change. A live job holds its key, so its claim is set too:
-    /// replayed from an earlier point, the frames of a job that a later one replaced take
-    /// the key back for a while, and the later job's frames give it back again.
+    /// the index entries that change. Every job the tables hold holds its key (a claim
+    /// that replaces an expired job deletes it), so a new job's claim is filed with it;
+    /// replayed from an earlier point, the frames of a job that a later one replaced file
+    /// it again for a while, until its deletion's frame.
     pub(super) fn put(&mut self, record: &JobRecord) -> TxResult<()> {
         let id = record.job.id.as_str();
         let before = self.load(id)?.map(|row| Indexed::of(&row));
-        let key = claim_key(record);
-        // A job the tables had may hold its key already: read before written, since an
-        // insert copies the page even when it changes nothing.
-        let held = before.is_some()
-            && self
-                .claims
-                .get(key.as_slice())?
-                .is_some_and(|holder| holder.value() == id);
-        if !held {
-            self.claims.insert(key.as_slice(), id)?;
+        if before.is_none() {
+            let hash = ClaimKey::of(record).hash;
+            self.claim_rows.insert(row_key(id).as_str(), hash)?;
+            self.claim_changes.push(claims::Change::Add(hash, id.to_owned()));
         }
         self.save(record, before)
     }
@@ -133,8 +136,8 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Deletes the job, its answer, its index entries and its claim, if it still holds
-    /// it. A job the tables never had is nothing to delete.
+    /// Deletes the job, its answer, its index entries and its claim. A job the tables
+    /// never had is nothing to delete.
     pub(super) fn delete(&mut self, id: &str) -> TxResult<()> {
         let Some(record) = self.load(id)? else {
             return Ok(());
@@ -145,13 +148,9 @@ impl<'t> Tables<'t> {
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
         self.in_progress.remove(id)?;
-        let key = claim_key(&record);
-        let owned = self
-            .claims
-            .get(key.as_slice())?
-            .is_some_and(|v| v.value() == id);
-        if owned {
-            self.claims.remove(key.as_slice())?;
+        if let Some(hash) = self.claim_rows.remove(row.as_str())? {
+            let hash = hash.value();
+            self.claim_changes.push(claims::Change::Remove(hash, id.to_owned()));
         }
         Ok(())
     }

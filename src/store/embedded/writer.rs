@@ -14,7 +14,7 @@ use tracing::{error, warn};
 use super::journal::{Journal, Segment};
 use super::overlay::Staged;
 use super::{
-    claim_key, millis, Answer, Applied, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY,
+    millis, Answer, Applied, ClaimKey, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY,
 };
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
 
@@ -48,6 +48,8 @@ const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 pub(super) enum Op {
     Claim {
         record: Box<JobRecord>,
+        /// The record's, worked out already by the read that found no live job.
+        key: ClaimKey,
         now: SystemTime,
         reply: oneshot::Sender<Result<Claim, StoreError>>,
     },
@@ -196,10 +198,12 @@ impl Group<'_> {
         }
     }
 
-    fn claimed(&self, key: &[u8]) -> Result<Option<JobId>, StoreError> {
-        match self.staged.claims.get(key) {
-            Some(id) => Ok(id.clone()),
-            None => self.shared.claimed(key),
+    /// The job holding a claim key, as the group sees it.
+    fn holder(&self, key: &ClaimKey) -> Result<Option<JobRecord>, StoreError> {
+        match self.staged.claims.get(&key.bytes) {
+            Some(Some(id)) => self.job(id),
+            Some(None) => Ok(None),
+            None => self.shared.holder_with(key, |id| self.job(id)),
         }
     }
 
@@ -214,9 +218,13 @@ impl Group<'_> {
 
     fn delete(&mut self, record: &JobRecord) -> Result<(), StoreError> {
         let id = record.job.id.as_str();
-        let key = claim_key(record);
-        if self.claimed(&key)?.as_deref() == Some(id) {
-            self.staged.claims.insert(key, None);
+        let key = ClaimKey::of(record);
+        let held = match self.staged.claims.get(&key.bytes) {
+            Some(holder) => holder.as_deref() == Some(id),
+            None => self.shared.holds(&key, id),
+        };
+        if held {
+            self.staged.claims.insert(key.bytes, None);
         }
         self.journal
             .frame(|buf| super::encode_into(&ChangeRef::Delete(id), buf));
@@ -225,17 +233,21 @@ impl Group<'_> {
         Ok(())
     }
 
-    fn claim(&mut self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
-        let key = claim_key(&record);
-        if let Some(id) = self.claimed(&key)? {
-            let found = self.job(&id)?;
-            match (JobRecord::claim_rule(found.as_ref(), now), found) {
-                (ClaimRule::Keep, Some(found)) => return Ok(Claim::Existing(found)),
-                (ClaimRule::Replace, Some(expired)) => self.delete(&expired)?,
-                _ => {}
-            }
+    fn claim(
+        &mut self,
+        record: JobRecord,
+        key: ClaimKey,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        let found = self.holder(&key)?;
+        match (JobRecord::claim_rule(found.as_ref(), now), found) {
+            (ClaimRule::Keep, Some(found)) => return Ok(Claim::Existing(found)),
+            (ClaimRule::Replace, Some(expired)) => self.delete(&expired)?,
+            _ => {}
         }
-        self.staged.claims.insert(key, Some(record.job.id.clone()));
+        self.staged
+            .claims
+            .insert(key.bytes, Some(record.job.id.clone()));
         self.put(record.clone());
         Ok(Claim::Created(record))
     }
@@ -296,7 +308,12 @@ impl Group<'_> {
 
     fn run(&mut self, op: Op, policy: &ExpiryPolicy) -> Done {
         match op {
-            Op::Claim { record, now, reply } => Done::Claim(reply, self.claim(*record, now)),
+            Op::Claim {
+                record,
+                key,
+                now,
+                reply,
+            } => Done::Claim(reply, self.claim(*record, key, now)),
             Op::Apply {
                 id,
                 transition,

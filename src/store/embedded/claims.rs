@@ -1,0 +1,281 @@
+//! The claim index: which job holds each (owner, key), for every job the file holds, kept in
+//! memory and rebuilt at open from the file's `claim_rows`.
+//!
+//! The file used to key the claims themselves, owner NUL key → job id, in a B-tree. Keys
+//! that SDKs send are random UUIDs, so each new claim landed on a leaf of its own, and every
+//! checkpoint copied, checksummed and wrote one leaf per job it took: filling one gateway
+//! with UUID keys at 32 clients, the checkpointer's CPU per job grew from 23 to 51 µs as the
+//! file grew to two million jobs, while counted keys (which share the rightmost leaves) held
+//! at 23–25 µs. Each claim was also a read transaction and a walk of that tree on the writer
+//! thread. `claim_rows` instead keys a job's claim by its row key, in time order like the
+//! rows, so a checkpoint appends to it; a lookup by (owner, key) is a hash lookup here.
+//!
+//! Entries are keyed by the first 8 bytes of SHA-256(owner NUL key), the digest a minted job
+//! id carries in its tag: a client cannot choose keys that collide, and the value is stable
+//! across processes, so the file can hold it. Two identities may still share a prefix, so an
+//! entry names candidates and the reader keeps the one whose job names the same (owner, key).
+
+use std::collections::HashMap;
+
+use redb::{ReadableTable, TableDefinition};
+
+use crate::job::JobId;
+
+/// A claim key (owner NUL key) with its hash.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct ClaimKey {
+    pub(super) bytes: Vec<u8>,
+    pub(super) hash: u64,
+}
+
+impl ClaimKey {
+    pub(super) fn new(owner: &str, key: &str) -> Self {
+        let mut bytes = Vec::with_capacity(owner.len() + 1 + key.len());
+        bytes.extend_from_slice(owner.as_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(key.as_bytes());
+        let digest = crate::job::claim_digest_bytes(owner, key);
+        let hash = u64::from_be_bytes(digest[..8].try_into().expect("a digest has 8 bytes"));
+        Self { bytes, hash }
+    }
+
+    pub(super) fn of(record: &crate::job::JobRecord) -> Self {
+        Self::new(&record.job.owner, &record.job.key)
+    }
+
+    /// Whether the job is the one of this (owner, key).
+    pub(super) fn names(&self, record: &crate::job::JobRecord) -> bool {
+        let (owner, key) = (record.job.owner.as_bytes(), record.job.key.as_bytes());
+        self.bytes.len() == owner.len() + 1 + key.len()
+            && self.bytes.starts_with(owner)
+            && self.bytes[owner.len()] == 0
+            && self.bytes.ends_with(key)
+    }
+}
+
+/// One hash's jobs. Nearly every entry is the first: a job whose id was minted from this
+/// very hash (`job_`, the hash's 16 hex digits, 32 hex digits of time), held as the time's
+/// 16 bytes. With 32 bytes an entry, two million jobs take ~64–128 MB, by the table's load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Holders {
+    Minted([u8; 16]),
+    Other(Box<str>),
+    Several(Box<Vec<JobId>>),
+}
+
+impl Holders {
+    fn of(hash: u64, id: &str) -> Self {
+        match minted_time(hash, id) {
+            Some(time) => Self::Minted(time),
+            None => Self::Other(id.into()),
+        }
+    }
+
+    fn ids(&self, hash: u64) -> Vec<JobId> {
+        match self {
+            Self::Minted(time) => vec![minted_id(hash, time)],
+            Self::Other(id) => vec![id.to_string()],
+            Self::Several(ids) => ids.to_vec(),
+        }
+    }
+}
+
+/// The time part of an id minted for `hash`, if `id` is one (exactly: lower-case hex only,
+/// so [`minted_id`] gives the same string back).
+fn minted_time(hash: u64, id: &str) -> Option<[u8; 16]> {
+    let (tag, time) = crate::job::id_parts(id)?;
+    let mut expected = [0u8; 16];
+    hex::encode_to_slice(hash.to_be_bytes(), &mut expected).ok()?;
+    if tag.as_bytes() != expected || time.len() != 32 {
+        return None;
+    }
+    if !time.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return None;
+    }
+    let mut bytes = [0u8; 16];
+    hex::decode_to_slice(time, &mut bytes).ok()?;
+    Some(bytes)
+}
+
+fn minted_id(hash: u64, time: &[u8; 16]) -> JobId {
+    let mut id = String::with_capacity(4 + 16 + 32);
+    id.push_str("job_");
+    id.push_str(&hex::encode(hash.to_be_bytes()));
+    id.push_str(&hex::encode(time));
+    id
+}
+
+/// A change to the index that a checkpoint's transaction made in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Change {
+    Add(u64, JobId),
+    Remove(u64, JobId),
+}
+
+#[derive(Debug, Default)]
+pub(super) struct ClaimIndex {
+    holders: HashMap<u64, Holders, foldhash::fast::RandomState>,
+    jobs: usize,
+}
+
+impl ClaimIndex {
+    /// Every job of `claim_rows`: row key → its claim's hash.
+    pub(super) fn load(
+        table: &impl ReadableTable<&'static str, u64>,
+    ) -> Result<Self, redb::StorageError> {
+        let mut index = Self::default();
+        for row in table.iter()? {
+            let (row, hash) = row?;
+            index.add(hash.value(), &super::id_of_row(row.value()));
+        }
+        Ok(index)
+    }
+
+    /// The jobs filed under `hash`, one of which may be the (owner, key) looked for.
+    pub(super) fn candidates(&self, hash: u64) -> Vec<JobId> {
+        self.holders
+            .get(&hash)
+            .map(|holders| holders.ids(hash))
+            .unwrap_or_default()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.jobs
+    }
+
+    pub(super) fn apply(&mut self, change: Change) {
+        match change {
+            Change::Add(hash, id) => self.add(hash, &id),
+            Change::Remove(hash, id) => self.remove(hash, &id),
+        }
+    }
+
+    /// Adding a job the index has already is nothing: a checkpoint whose commit failed is
+    /// taken again whole.
+    fn add(&mut self, hash: u64, id: &str) {
+        use std::collections::hash_map::Entry;
+        match self.holders.entry(hash) {
+            Entry::Vacant(slot) => {
+                slot.insert(Holders::of(hash, id));
+            }
+            Entry::Occupied(mut slot) => {
+                let mut ids = slot.get().ids(hash);
+                if ids.iter().any(|held| held == id) {
+                    return;
+                }
+                ids.push(id.to_owned());
+                slot.insert(Holders::Several(Box::new(ids)));
+            }
+        }
+        self.jobs += 1;
+    }
+
+    fn remove(&mut self, hash: u64, id: &str) {
+        use std::collections::hash_map::Entry;
+        let Entry::Occupied(mut slot) = self.holders.entry(hash) else {
+            return;
+        };
+        let mut ids = slot.get().ids(hash);
+        let Some(at) = ids.iter().position(|held| held == id) else {
+            return;
+        };
+        ids.swap_remove(at);
+        self.jobs -= 1;
+        match ids.len() {
+            0 => drop(slot.remove()),
+            1 => drop(slot.insert(Holders::of(hash, &ids[0]))),
+            _ => drop(slot.insert(Holders::Several(Box::new(ids)))),
+        }
+    }
+}
+
+/// `claim_rows`: a job's row key → the hash of its claim key.
+pub(super) const CLAIM_ROWS: TableDefinition<&str, u64> = TableDefinition::new("claim_rows");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::new_job_id;
+
+    #[test]
+    fn a_minted_id_is_held_in_sixteen_bytes_and_given_back_whole() {
+        let key = ClaimKey::new("owner", "key-1");
+        let id = new_job_id("owner", "key-1");
+        assert!(matches!(Holders::of(key.hash, &id), Holders::Minted(_)));
+        let mut index = ClaimIndex::default();
+        index.add(key.hash, &id);
+        assert_eq!(index.candidates(key.hash), vec![id.clone()]);
+        assert_eq!(index.len(), 1);
+        assert_eq!(std::mem::size_of::<(u64, Holders)>(), 32);
+    }
+
+    #[test]
+    fn ids_not_minted_for_the_hash_are_kept_as_they_are() {
+        let key = ClaimKey::new("owner", "key-1");
+        let other = new_job_id("owner", "key-2");
+        for id in [
+            other.as_str(),
+            "job_1",
+            "anything",
+            &format!("job_{:016x}{}", key.hash, "0123456789ABCDEF0123456789abcdef"),
+            &format!("job_{:016x}{}", key.hash, "short"),
+        ] {
+            assert!(matches!(Holders::of(key.hash, id), Holders::Other(_)), "{id}");
+            let mut index = ClaimIndex::default();
+            index.add(key.hash, id);
+            assert_eq!(index.candidates(key.hash), vec![id.to_owned()]);
+        }
+    }
+
+    #[test]
+    fn jobs_sharing_a_hash_are_all_candidates_until_removed() {
+        let mut index = ClaimIndex::default();
+        let hash = ClaimKey::new("o", "k").hash;
+        let minted = new_job_id("o", "k");
+        index.add(hash, &minted);
+        index.add(hash, "job_other");
+        index.add(hash, "job_other");
+        assert_eq!(index.len(), 2);
+        let mut found = index.candidates(hash);
+        found.sort();
+        assert_eq!(found, vec![minted.clone(), "job_other".to_owned()]);
+        index.remove(hash, "job_other");
+        assert_eq!(index.candidates(hash), vec![minted.clone()]);
+        assert!(matches!(index.holders[&hash], Holders::Minted(_)));
+        index.remove(hash, "job_missing");
+        index.remove(hash + 1, &minted);
+        assert_eq!(index.len(), 1);
+        index.apply(Change::Remove(hash, minted));
+        assert!(index.candidates(hash).is_empty());
+        assert_eq!(index.len(), 0);
+        assert!(index.holders.is_empty());
+    }
+
+    #[test]
+    fn a_claim_key_names_only_its_own_owner_and_key() {
+        let now = crate::clock::now();
+        let policy = crate::job::ExpiryPolicy {
+            retention: std::time::Duration::from_secs(60),
+            late_result_window: std::time::Duration::from_secs(60),
+        };
+        let record = |owner: &str, key: &str| {
+            crate::job::JobRecord::new(
+                new_job_id(owner, key),
+                owner.into(),
+                key.into(),
+                "fp".into(),
+                "r".into(),
+                now,
+                now,
+                &policy,
+            )
+        };
+        let key = ClaimKey::new("ab", "c");
+        assert!(key.names(&record("ab", "c")));
+        assert!(!key.names(&record("a", "bc")));
+        assert!(!key.names(&record("ab", "cd")));
+        assert!(!key.names(&record("abc", "")));
+        assert_eq!(key.bytes, b"ab\0c");
+        assert_ne!(key.hash, ClaimKey::new("a", "bc").hash);
+    }
+}
