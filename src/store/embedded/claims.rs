@@ -34,9 +34,10 @@ impl ClaimKey {
         bytes.extend_from_slice(owner.as_bytes());
         bytes.push(0);
         bytes.extend_from_slice(key.as_bytes());
-        let digest = crate::job::claim_digest_bytes(owner, key);
-        let hash = u64::from_be_bytes(digest[..8].try_into().expect("a digest has 8 bytes"));
-        Self { bytes, hash }
+        Self {
+            bytes,
+            hash: hash_of(owner, key),
+        }
     }
 
     pub(super) fn of(record: &crate::job::JobRecord) -> Self {
@@ -53,31 +54,42 @@ impl ClaimKey {
     }
 }
 
-/// One hash's jobs. Nearly every entry is the first: a job whose id was minted from this
-/// very hash (`job_`, the hash's 16 hex digits, 32 hex digits of time), held as the time's
-/// 16 bytes. With 32 bytes an entry, two million jobs take ~64–128 MB, by the table's load.
+/// A job filed under a hash: nearly always one whose id was minted from that very hash
+/// (`job_`, the hash's 16 hex digits, 32 hex digits of time), held as the time's 16 bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Holders {
+pub(super) enum Holder {
     Minted([u8; 16]),
     Other(Box<str>),
-    Several(Box<Vec<JobId>>),
 }
 
-impl Holders {
-    fn of(hash: u64, id: &str) -> Self {
+impl Holder {
+    pub(super) fn new(hash: u64, id: &str) -> Self {
         match minted_time(hash, id) {
             Some(time) => Self::Minted(time),
             None => Self::Other(id.into()),
         }
     }
 
-    fn ids(&self, hash: u64) -> Vec<JobId> {
+    fn id(&self, hash: u64) -> JobId {
         match self {
-            Self::Minted(time) => vec![minted_id(hash, time)],
-            Self::Other(id) => vec![id.to_string()],
-            Self::Several(ids) => ids.to_vec(),
+            Self::Minted(time) => minted_id(hash, time),
+            Self::Other(id) => id.to_string(),
         }
     }
+}
+
+/// The hash a claim is filed under: SHA-256(owner NUL key)'s first 8 bytes.
+pub(super) fn hash_of(owner: &str, key: &str) -> u64 {
+    let digest = crate::job::claim_digest_bytes(owner, key);
+    u64::from_be_bytes(digest[..8].try_into().expect("a digest has 8 bytes"))
+}
+
+/// One hash's jobs: one, or, should two identities share the hash, each of them. With 32
+/// bytes an entry, two million jobs take ~64–128 MB, by the table's load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Holders {
+    One(Holder),
+    Several(Box<[Holder]>),
 }
 
 /// The time part of an id minted for `hash`, if `id` is one (exactly: lower-case hex only,
@@ -89,7 +101,10 @@ fn minted_time(hash: u64, id: &str) -> Option<[u8; 16]> {
     if tag.as_bytes() != expected || time.len() != 32 {
         return None;
     }
-    if !time.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    if !time
+        .bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
         return None;
     }
     let mut bytes = [0u8; 16];
@@ -98,18 +113,19 @@ fn minted_time(hash: u64, id: &str) -> Option<[u8; 16]> {
 }
 
 fn minted_id(hash: u64, time: &[u8; 16]) -> JobId {
-    let mut id = String::with_capacity(4 + 16 + 32);
-    id.push_str("job_");
-    id.push_str(&hex::encode(hash.to_be_bytes()));
-    id.push_str(&hex::encode(time));
-    id
+    // In place: `hex::encode` builds its string a `char` at a time.
+    let mut id = [0u8; 4 + 16 + 32];
+    id[..4].copy_from_slice(b"job_");
+    hex::encode_to_slice(hash.to_be_bytes(), &mut id[4..20]).expect("16 digits");
+    hex::encode_to_slice(time, &mut id[20..]).expect("32 digits");
+    String::from_utf8(id.to_vec()).expect("hex is ASCII")
 }
 
 /// A change to the index that a checkpoint's transaction made in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Change {
-    Add(u64, JobId),
-    Remove(u64, JobId),
+    Add(u64, Holder),
+    Remove(u64, Holder),
 }
 
 #[derive(Debug, Default)]
@@ -126,17 +142,19 @@ impl ClaimIndex {
         let mut index = Self::default();
         for row in table.iter()? {
             let (row, hash) = row?;
-            index.add(hash.value(), &super::id_of_row(row.value()));
+            let hash = hash.value();
+            index.add(hash, Holder::new(hash, &super::id_of_row(row.value())));
         }
         Ok(index)
     }
 
     /// The jobs filed under `hash`, one of which may be the (owner, key) looked for.
     pub(super) fn candidates(&self, hash: u64) -> Vec<JobId> {
-        self.holders
-            .get(&hash)
-            .map(|holders| holders.ids(hash))
-            .unwrap_or_default()
+        match self.holders.get(&hash) {
+            None => Vec::new(),
+            Some(Holders::One(holder)) => vec![holder.id(hash)],
+            Some(Holders::Several(holders)) => holders.iter().map(|h| h.id(hash)).collect(),
+        }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -145,47 +163,57 @@ impl ClaimIndex {
 
     pub(super) fn apply(&mut self, change: Change) {
         match change {
-            Change::Add(hash, id) => self.add(hash, &id),
-            Change::Remove(hash, id) => self.remove(hash, &id),
+            Change::Add(hash, holder) => self.add(hash, holder),
+            Change::Remove(hash, holder) => self.remove(hash, &holder),
         }
     }
 
     /// Adding a job the index has already is nothing: a checkpoint whose commit failed is
     /// taken again whole.
-    fn add(&mut self, hash: u64, id: &str) {
+    fn add(&mut self, hash: u64, holder: Holder) {
         use std::collections::hash_map::Entry;
         match self.holders.entry(hash) {
             Entry::Vacant(slot) => {
-                slot.insert(Holders::of(hash, id));
+                slot.insert(Holders::One(holder));
             }
-            Entry::Occupied(mut slot) => {
-                let mut ids = slot.get().ids(hash);
-                if ids.iter().any(|held| held == id) {
-                    return;
+            Entry::Occupied(mut slot) => match slot.get_mut() {
+                Holders::One(held) if *held == holder => return,
+                Holders::One(held) => {
+                    let held = held.clone();
+                    slot.insert(Holders::Several(Box::new([held, holder])));
                 }
-                ids.push(id.to_owned());
-                slot.insert(Holders::Several(Box::new(ids)));
-            }
+                Holders::Several(held) if held.contains(&holder) => return,
+                Holders::Several(held) => {
+                    let mut more = held.to_vec();
+                    more.push(holder);
+                    *held = more.into_boxed_slice();
+                }
+            },
         }
         self.jobs += 1;
     }
 
-    fn remove(&mut self, hash: u64, id: &str) {
+    fn remove(&mut self, hash: u64, holder: &Holder) {
         use std::collections::hash_map::Entry;
         let Entry::Occupied(mut slot) = self.holders.entry(hash) else {
             return;
         };
-        let mut ids = slot.get().ids(hash);
-        let Some(at) = ids.iter().position(|held| held == id) else {
-            return;
-        };
-        ids.swap_remove(at);
-        self.jobs -= 1;
-        match ids.len() {
-            0 => drop(slot.remove()),
-            1 => drop(slot.insert(Holders::of(hash, &ids[0]))),
-            _ => drop(slot.insert(Holders::Several(Box::new(ids)))),
+        match slot.get_mut() {
+            Holders::One(held) if held == holder => drop(slot.remove()),
+            Holders::One(_) => return,
+            Holders::Several(held) => {
+                let Some(at) = held.iter().position(|h| h == holder) else {
+                    return;
+                };
+                let mut left = held.to_vec();
+                left.swap_remove(at);
+                match <[Holder; 1]>::try_from(left) {
+                    Ok([last]) => drop(slot.insert(Holders::One(last))),
+                    Err(left) => *held = left.into_boxed_slice(),
+                }
+            }
         }
+        self.jobs -= 1;
     }
 }
 
@@ -201,9 +229,9 @@ mod tests {
     fn a_minted_id_is_held_in_sixteen_bytes_and_given_back_whole() {
         let key = ClaimKey::new("owner", "key-1");
         let id = new_job_id("owner", "key-1");
-        assert!(matches!(Holders::of(key.hash, &id), Holders::Minted(_)));
+        assert!(matches!(Holder::new(key.hash, &id), Holder::Minted(_)));
         let mut index = ClaimIndex::default();
-        index.add(key.hash, &id);
+        index.add(key.hash, Holder::new(key.hash, &id));
         assert_eq!(index.candidates(key.hash), vec![id.clone()]);
         assert_eq!(index.len(), 1);
         assert_eq!(std::mem::size_of::<(u64, Holders)>(), 32);
@@ -217,12 +245,18 @@ mod tests {
             other.as_str(),
             "job_1",
             "anything",
-            &format!("job_{:016x}{}", key.hash, "0123456789ABCDEF0123456789abcdef"),
+            &format!(
+                "job_{:016x}{}",
+                key.hash, "0123456789ABCDEF0123456789abcdef"
+            ),
             &format!("job_{:016x}{}", key.hash, "short"),
         ] {
-            assert!(matches!(Holders::of(key.hash, id), Holders::Other(_)), "{id}");
+            assert!(
+                matches!(Holder::new(key.hash, id), Holder::Other(_)),
+                "{id}"
+            );
             let mut index = ClaimIndex::default();
-            index.add(key.hash, id);
+            index.add(key.hash, Holder::new(key.hash, id));
             assert_eq!(index.candidates(key.hash), vec![id.to_owned()]);
         }
     }
@@ -232,20 +266,25 @@ mod tests {
         let mut index = ClaimIndex::default();
         let hash = ClaimKey::new("o", "k").hash;
         let minted = new_job_id("o", "k");
-        index.add(hash, &minted);
-        index.add(hash, "job_other");
-        index.add(hash, "job_other");
+        let holder = |id: &str| Holder::new(hash, id);
+        index.add(hash, holder(&minted));
+        index.add(hash, holder("job_other"));
+        index.add(hash, holder("job_other"));
+        index.add(hash, holder(&minted));
         assert_eq!(index.len(), 2);
         let mut found = index.candidates(hash);
         found.sort();
         assert_eq!(found, vec![minted.clone(), "job_other".to_owned()]);
-        index.remove(hash, "job_other");
+        index.remove(hash, &holder("job_other"));
         assert_eq!(index.candidates(hash), vec![minted.clone()]);
-        assert!(matches!(index.holders[&hash], Holders::Minted(_)));
-        index.remove(hash, "job_missing");
-        index.remove(hash + 1, &minted);
+        assert!(matches!(
+            index.holders[&hash],
+            Holders::One(Holder::Minted(_))
+        ));
+        index.remove(hash, &holder("job_missing"));
+        index.remove(hash + 1, &holder(&minted));
         assert_eq!(index.len(), 1);
-        index.apply(Change::Remove(hash, minted));
+        index.apply(Change::Remove(hash, holder(&minted)));
         assert!(index.candidates(hash).is_empty());
         assert_eq!(index.len(), 0);
         assert!(index.holders.is_empty());

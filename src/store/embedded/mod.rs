@@ -552,7 +552,10 @@ fn file_legacy_claims(txn: &redb::WriteTransaction) -> tables::TxResult<Option<u
         for row in jobs.iter()? {
             let (row, value) = row?;
             let record: JobRecord = decode(value.value())?;
-            rows.insert(row.value(), ClaimKey::of(&record).hash)?;
+            rows.insert(
+                row.value(),
+                claims::hash_of(&record.job.owner, &record.job.key),
+            )?;
             filed += 1;
         }
     }
@@ -1068,7 +1071,10 @@ mod tests {
         assert!(rows
             .iter()
             .any(|r| r.starts_with("in_progress") && r.contains(&running_id)));
-        assert_eq!(rows.iter().filter(|r| r.starts_with("claim_rows")).count(), 2);
+        assert_eq!(
+            rows.iter().filter(|r| r.starts_with("claim_rows")).count(),
+            2
+        );
     }
 
     #[tokio::test]
@@ -1303,7 +1309,11 @@ mod tests {
         let store = EmbeddedStore::open(&path, POLICY).unwrap();
         assert_eq!(store.shared.claims().len(), keys.len());
         for (key, id) in keys.iter().zip(&ids) {
-            let found = store.find("o", key).await.unwrap().expect("the job of its key");
+            let found = store
+                .find("o", key)
+                .await
+                .unwrap()
+                .expect("the job of its key");
             assert_eq!(&found.job.id, id);
             match store.claim(fresh("o", key, now), now).await.unwrap() {
                 Claim::Existing(existing) => assert_eq!(&existing.job.id, id),
@@ -1349,7 +1359,10 @@ mod tests {
         }
         let store = EmbeddedStore::open(&path, POLICY).unwrap();
         let k2 = ClaimKey::new("o", "k2");
-        assert_eq!(store.shared.claims().candidates(k2.hash), vec![first.job.id.clone()]);
+        assert_eq!(
+            store.shared.claims().candidates(k2.hash),
+            vec![first.job.id.clone()]
+        );
         assert!(store.find("o", "k2").await.unwrap().is_none());
         let Claim::Created(second) = store.claim(fresh("o", "k2", now), now).await.unwrap() else {
             panic!("k2 is a job of its own");

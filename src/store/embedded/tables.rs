@@ -94,9 +94,10 @@ impl<'t> Tables<'t> {
         let id = record.job.id.as_str();
         let before = self.load(id)?.map(|row| Indexed::of(&row));
         if before.is_none() {
-            let hash = ClaimKey::of(record).hash;
+            let hash = claims::hash_of(&record.job.owner, &record.job.key);
             self.claim_rows.insert(row_key(id).as_str(), hash)?;
-            self.claim_changes.push(claims::Change::Add(hash, id.to_owned()));
+            let holder = claims::Holder::new(hash, id);
+            self.claim_changes.push(claims::Change::Add(hash, holder));
         }
         self.save(record, before)
     }
@@ -150,7 +151,9 @@ impl<'t> Tables<'t> {
         self.in_progress.remove(id)?;
         if let Some(hash) = self.claim_rows.remove(row.as_str())? {
             let hash = hash.value();
-            self.claim_changes.push(claims::Change::Remove(hash, id.to_owned()));
+            let holder = claims::Holder::new(hash, id);
+            self.claim_changes
+                .push(claims::Change::Remove(hash, holder));
         }
         Ok(())
     }

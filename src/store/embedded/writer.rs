@@ -14,7 +14,7 @@ use tracing::{error, warn};
 use super::journal::{Journal, Segment};
 use super::overlay::Staged;
 use super::{
-    millis, Answer, Applied, ClaimKey, Changes, Claim, CommitStats, Shared, StoreError, EXPIRY,
+    millis, Answer, Applied, Changes, Claim, ClaimKey, CommitStats, Shared, StoreError, EXPIRY,
 };
 use crate::job::{ClaimRule, ExpiryPolicy, JobId, JobRecord, Transition};
 
