@@ -70,6 +70,20 @@ impl Holder {
         }
     }
 
+    /// The job of a row key of `claim_rows`, read as [`Holder::new`] would read its id,
+    /// without making the id first: the index is built from every row at open.
+    fn of_row(hash: u64, row: &str) -> Self {
+        let minted = row
+            .strip_prefix('t')
+            .filter(|rest| rest.len() == 32 + 16)
+            .map(|rest| rest.split_at(32))
+            .and_then(|(time, tag)| minted_time_of(hash, tag, time));
+        match minted {
+            Some(time) => Self::Minted(time),
+            None => Self::Other(super::id_of_row(row).into()),
+        }
+    }
+
     fn id(&self, hash: u64) -> JobId {
         match self {
             Self::Minted(time) => minted_id(hash, time),
@@ -96,6 +110,10 @@ enum Holders {
 /// so [`minted_id`] gives the same string back).
 fn minted_time(hash: u64, id: &str) -> Option<[u8; 16]> {
     let (tag, time) = crate::job::id_parts(id)?;
+    minted_time_of(hash, tag, time)
+}
+
+fn minted_time_of(hash: u64, tag: &str, time: &str) -> Option<[u8; 16]> {
     let mut expected = [0u8; 16];
     hex::encode_to_slice(hash.to_be_bytes(), &mut expected).ok()?;
     if tag.as_bytes() != expected || time.len() != 32 {
@@ -143,7 +161,7 @@ impl ClaimIndex {
         for row in table.iter()? {
             let (row, hash) = row?;
             let hash = hash.value();
-            index.add(hash, Holder::new(hash, &super::id_of_row(row.value())));
+            index.add(hash, Holder::of_row(hash, row.value()));
         }
         Ok(index)
     }
@@ -159,6 +177,11 @@ impl ClaimIndex {
 
     pub(super) fn len(&self) -> usize {
         self.jobs
+    }
+
+    /// About what the index takes in memory: its table's slots, each with its control byte.
+    pub(super) fn bytes(&self) -> usize {
+        self.holders.capacity() * (std::mem::size_of::<(u64, Holders)>() + 1)
     }
 
     pub(super) fn apply(&mut self, change: Change) {
@@ -235,6 +258,31 @@ mod tests {
         assert_eq!(index.candidates(key.hash), vec![id.clone()]);
         assert_eq!(index.len(), 1);
         assert_eq!(std::mem::size_of::<(u64, Holders)>(), 32);
+    }
+
+    #[test]
+    fn a_row_key_gives_the_holder_its_id_would() {
+        let key = ClaimKey::new("owner", "key-1");
+        let minted = new_job_id("owner", "key-1");
+        let upper = format!(
+            "job_{:016x}{}",
+            key.hash, "0123456789ABCDEF0123456789abcdef"
+        );
+        for id in [
+            minted.as_str(),
+            "job_1",
+            "anything",
+            &new_job_id("o", "k"),
+            &upper,
+        ] {
+            let row = super::super::row_key(id);
+            assert_eq!(
+                Holder::of_row(key.hash, &row),
+                Holder::new(key.hash, id),
+                "{id}"
+            );
+            assert_eq!(Holder::of_row(key.hash, &row).id(key.hash), id);
+        }
     }
 
     #[test]

@@ -412,7 +412,12 @@ impl EmbeddedStore {
                     .map_err(|e| fail("cannot open table claim_rows", &e))?;
                 ClaimIndex::load(&rows).map_err(|e| fail("cannot read its claims", &e))
             })?;
-        debug!(path = %shown, jobs = claims.len(), "embedded store: claim index loaded");
+        debug!(
+            path = %shown,
+            jobs = claims.len(),
+            bytes = claims.bytes(),
+            "embedded store: claim index loaded"
+        );
         if replayed > 0 {
             info!(path = %shown, changes = replayed, "embedded store: changes applied from its journal");
         }
