@@ -542,6 +542,9 @@ fn move_legacy_rows(txn: &redb::WriteTransaction) -> tables::TxResult<usize> {
 
 /// Builds `claim_rows` from the rows of a file written with a `claims` table, and drops
 /// that; returns how many jobs it filed, `None` for a file that has no `claims` table.
+/// `claim_rows` is built anew: a file this version wrote and an earlier one then opened
+/// (which creates `claims`, and deletes rows without their `claim_rows` entries) is
+/// filed again from its rows alone.
 fn file_legacy_claims(txn: &redb::WriteTransaction) -> tables::TxResult<Option<usize>> {
     use redb::TableHandle;
     let present = txn
@@ -550,6 +553,7 @@ fn file_legacy_claims(txn: &redb::WriteTransaction) -> tables::TxResult<Option<u
     if !present {
         return Ok(None);
     }
+    txn.delete_table(CLAIM_ROWS)?;
     let mut filed = 0;
     {
         let jobs = txn.open_table(JOBS)?;
@@ -1238,6 +1242,10 @@ mod tests {
                 claims
                     .insert(ClaimKey::of(&row).bytes.as_slice(), id.as_str())
                     .unwrap();
+                // What an earlier version leaves of a file this one wrote: the entry of a
+                // job whose row it deleted.
+                let mut stale = txn.open_table(CLAIM_ROWS).unwrap();
+                stale.insert("ijob_gone", 7).unwrap();
                 let mut expiry = txn.open_table(EXPIRY).unwrap();
                 expiry
                     .insert((millis(row.job.expires_at), id.as_str()), ())
@@ -1283,6 +1291,7 @@ mod tests {
             filed.get(row_key(&id).as_str()).unwrap().map(|h| h.value()),
             Some(ClaimKey::new("owner", "k1").hash)
         );
+        assert_eq!(filed.iter().unwrap().count(), 1, "only the job's own entry");
     }
 
     #[tokio::test]
