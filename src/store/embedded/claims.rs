@@ -4,11 +4,12 @@
 //! The file used to key the claims themselves, owner NUL key → job id, in a B-tree. Keys
 //! that SDKs send are random UUIDs, so each new claim landed on a leaf of its own, and every
 //! checkpoint copied, checksummed and wrote one leaf per job it took: filling one gateway
-//! with UUID keys at 32 clients, the checkpointer's CPU per job grew from 33 to 51 µs
-//! between 0.4 and 1.9 million jobs, while with counted keys (which share the rightmost
-//! leaves) it held at 23–25 µs. Each claim was also a read transaction and a walk of that tree on the writer
-//! thread. `claim_rows` instead keys a job's claim by its row key, in time order like the
-//! rows, so a checkpoint appends to it; a lookup by (owner, key) is a hash lookup here.
+//! with UUID keys at 32 clients, the checkpointer's CPU per job grew from 34 to 57 µs
+//! between 0.3 and 1.3 million jobs, where counted keys (which share the rightmost leaves)
+//! cost 23–25 µs. Each claim was also a read transaction and a walk of that tree on the
+//! writer thread. `claim_rows` instead files a job's claim under its row key, in time order
+//! like the rows, so a checkpoint appends to it (filled the same way: 25–33 µs up to 1.9
+//! million jobs); a lookup by (owner, key) is a hash lookup here.
 //!
 //! Entries are keyed by the first 8 bytes of SHA-256(owner NUL key), the digest a minted job
 //! id carries in its tag: a client cannot choose keys that collide, and the value is stable
