@@ -7,9 +7,12 @@
 //! with UUID keys at 32 clients, the checkpointer's CPU per job grew from 34 to 57 µs
 //! between 0.3 and 1.3 million jobs, where counted keys (which share the rightmost leaves)
 //! cost 23–25 µs. Each claim was also a read transaction and a walk of that tree on the
-//! writer thread. `claim_rows` instead files a job's claim under its row key, in time order
-//! like the rows, so a checkpoint appends to it (filled the same way: 25–33 µs up to 1.9
-//! million jobs); a lookup by (owner, key) is a hash lookup here.
+//! writer thread. Now a lookup by (owner, key) is a hash lookup here, and the file needs no
+//! claim index at all (filled the same way: 25–33 µs up to 1.9 million jobs): a job's id
+//! carries the hash its claim is filed under, and the index is rebuilt at open from the
+//! ids of the `expiry` index, which has one entry per job. `claim_rows` (row key → hash)
+//! holds only the jobs whose ids do not carry their own hash, ids not minted from their
+//! (owner, key): none in a gateway, some in tests of the store.
 //!
 //! Entries are keyed by the first 8 bytes of SHA-256(owner NUL key), the digest a minted job
 //! id carries in its tag: a client cannot choose keys that collide, and the value is stable
@@ -71,26 +74,26 @@ impl Holder {
         }
     }
 
-    /// The job of a row key of `claim_rows`, read as [`Holder::new`] would read its id,
-    /// without making the id first: the index is built from every row at open.
-    fn of_row(hash: u64, row: &str) -> Self {
-        let minted = row
-            .strip_prefix('t')
-            .filter(|rest| rest.len() == 32 + 16)
-            .map(|rest| rest.split_at(32))
-            .and_then(|(time, tag)| minted_time_of(hash, tag, time));
-        match minted {
-            Some(time) => Self::Minted(time),
-            None => Self::Other(super::id_of_row(row).into()),
-        }
-    }
-
     fn id(&self, hash: u64) -> JobId {
         match self {
             Self::Minted(time) => minted_id(hash, time),
             Self::Other(id) => id.to_string(),
         }
     }
+}
+
+/// The hash a minted id carries in its tag (lower-case hex, as minted), if it is one.
+/// Whether it is the hash of the job's own (owner, key) is for its writer to check.
+pub(super) fn carried_hash(id: &str) -> Option<u64> {
+    let (tag, _) = crate::job::id_parts(id)?;
+    if tag.len() != 16
+        || !tag
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return None;
+    }
+    u64::from_str_radix(tag, 16).ok()
 }
 
 /// The hash a claim is filed under: SHA-256(owner NUL key)'s first 8 bytes.
@@ -111,10 +114,6 @@ enum Holders {
 /// so [`minted_id`] gives the same string back).
 fn minted_time(hash: u64, id: &str) -> Option<[u8; 16]> {
     let (tag, time) = crate::job::id_parts(id)?;
-    minted_time_of(hash, tag, time)
-}
-
-fn minted_time_of(hash: u64, tag: &str, time: &str) -> Option<[u8; 16]> {
     let mut expected = [0u8; 16];
     hex::encode_to_slice(hash.to_be_bytes(), &mut expected).ok()?;
     if tag.as_bytes() != expected || time.len() != 32 {
@@ -154,15 +153,25 @@ pub(super) struct ClaimIndex {
 }
 
 impl ClaimIndex {
-    /// Every job of `claim_rows`: row key → its claim's hash.
+    /// Every job the file holds: each has one entry in `expiry`, and its hash is the one
+    /// its id carries unless `claim_rows` files it under another.
     pub(super) fn load(
-        table: &impl ReadableTable<&'static str, u64>,
+        expiry: &impl ReadableTable<(u64, &'static str), ()>,
+        claim_rows: &impl ReadableTable<&'static str, u64>,
     ) -> Result<Self, redb::StorageError> {
-        let mut index = Self::default();
-        for row in table.iter()? {
+        let mut filed = HashMap::new();
+        for row in claim_rows.iter()? {
             let (row, hash) = row?;
-            let hash = hash.value();
-            index.add(hash, Holder::of_row(hash, row.value()));
+            filed.insert(super::id_of_row(row.value()), hash.value());
+        }
+        let mut index = Self::default();
+        for entry in expiry.iter()? {
+            let (entry, _) = entry?;
+            let (_, id) = entry.value();
+            let hash = filed.get(id).copied().or_else(|| carried_hash(id));
+            if let Some(hash) = hash {
+                index.add(hash, Holder::new(hash, id));
+            }
         }
         Ok(index)
     }
@@ -262,27 +271,16 @@ mod tests {
     }
 
     #[test]
-    fn a_row_key_gives_the_holder_its_id_would() {
+    fn a_minted_id_carries_its_hash_and_no_other_id_does() {
         let key = ClaimKey::new("owner", "key-1");
-        let minted = new_job_id("owner", "key-1");
+        assert_eq!(carried_hash(&new_job_id("owner", "key-1")), Some(key.hash));
         let upper = format!(
-            "job_{:016x}{}",
-            key.hash, "0123456789ABCDEF0123456789abcdef"
+            "job_{:016X}{}",
+            key.hash | 0xa,
+            "0123456789abcdef0123456789abcdef"
         );
-        for id in [
-            minted.as_str(),
-            "job_1",
-            "anything",
-            &new_job_id("o", "k"),
-            &upper,
-        ] {
-            let row = super::super::row_key(id);
-            assert_eq!(
-                Holder::of_row(key.hash, &row),
-                Holder::new(key.hash, id),
-                "{id}"
-            );
-            assert_eq!(Holder::of_row(key.hash, &row).id(key.hash), id);
+        for id in ["job_1", "anything", "job_0123456789abcdeg", upper.as_str()] {
+            assert_eq!(carried_hash(id), None, "{id}");
         }
     }
 

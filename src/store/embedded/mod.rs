@@ -35,9 +35,11 @@
 //!
 //! # Layout
 //!
-//! - `claim_rows`: row key → the hash of the job's (owner, key), from which the [claims]
-//!   index, in memory, is built at open. Files written before kept `claims`, owner NUL key
-//!   → job id; opening such a file builds `claim_rows` from the rows once and drops it.
+//! - No claim index: which job holds each (owner, key) is kept in memory ([claims]), built
+//!   at open from the ids in `expiry`, as a job id carries the hash of its (owner, key).
+//!   `claim_rows`: row key → that hash, for the jobs whose ids do not carry it. Files
+//!   written before kept `claims`, owner NUL key → job id; opening such a file files its
+//!   jobs from their rows once and drops it.
 //! - `job_rows`: row key → the job and its attempts (postcard), without the stored answer.
 //! - `response_rows`: row key → the stored answer.
 //!
@@ -407,10 +409,13 @@ impl EmbeddedStore {
             .begin_read()
             .map_err(|e| fail("cannot read it", &e))
             .and_then(|txn| {
+                let expiry = txn
+                    .open_table(EXPIRY)
+                    .map_err(|e| fail("cannot open table expiry", &e))?;
                 let rows = txn
                     .open_table(CLAIM_ROWS)
                     .map_err(|e| fail("cannot open table claim_rows", &e))?;
-                ClaimIndex::load(&rows).map_err(|e| fail("cannot read its claims", &e))
+                ClaimIndex::load(&expiry, &rows).map_err(|e| fail("cannot read its claims", &e))
             })?;
         debug!(
             path = %shown,
@@ -561,10 +566,10 @@ fn file_legacy_claims(txn: &redb::WriteTransaction) -> tables::TxResult<Option<u
         for row in jobs.iter()? {
             let (row, value) = row?;
             let record: JobRecord = decode(value.value())?;
-            rows.insert(
-                row.value(),
-                claims::hash_of(&record.job.owner, &record.job.key),
-            )?;
+            let hash = claims::hash_of(&record.job.owner, &record.job.key);
+            if claims::carried_hash(&record.job.id) != Some(hash) {
+                rows.insert(row.value(), hash)?;
+            }
             filed += 1;
         }
     }
@@ -1080,9 +1085,15 @@ mod tests {
         assert!(rows
             .iter()
             .any(|r| r.starts_with("in_progress") && r.contains(&running_id)));
+        // Both jobs' ids carry their claims: the file needs no entry of its own for them.
         assert_eq!(
-            rows.iter().filter(|r| r.starts_with("claim_rows")).count(),
-            2
+            rows.iter().filter(|r| r.starts_with("expiry")).count(),
+            2,
+            "{rows:?}"
+        );
+        assert!(
+            !rows.iter().any(|r| r.starts_with("claim_rows")),
+            "{rows:?}"
         );
     }
 
@@ -1286,12 +1297,9 @@ mod tests {
             "{names:?}"
         );
         assert!(names.iter().any(|n| n == "job_rows"), "{names:?}");
+        // The job's id carries its claim, and the stale entry is gone.
         let filed = txn.open_table(CLAIM_ROWS).unwrap();
-        assert_eq!(
-            filed.get(row_key(&id).as_str()).unwrap().map(|h| h.value()),
-            Some(ClaimKey::new("owner", "k1").hash)
-        );
-        assert_eq!(filed.iter().unwrap().count(), 1, "only the job's own entry");
+        assert_eq!(filed.iter().unwrap().count(), 0);
     }
 
     #[tokio::test]
@@ -1342,6 +1350,47 @@ mod tests {
         store.checkpoint().await.unwrap();
         assert_eq!(store.shared.claims().len(), 0);
         assert!(store.find("o", &keys[0]).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn jobs_whose_ids_do_not_carry_their_claim_are_filed_beside_them() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("odd.db");
+        let now = crate::clock::now();
+        let mut odd = fresh("o", "odd", now);
+        odd.job.id = "job_1".into();
+        let mut other = fresh("o", "other", now);
+        other.job.id = new_job_id("o", "not-other");
+        {
+            let store = EmbeddedStore::open(&path, POLICY).unwrap();
+            for record in [odd.clone(), other.clone()] {
+                assert!(matches!(
+                    store.claim(record, now).await.unwrap(),
+                    Claim::Created(_)
+                ));
+            }
+            store.checkpoint().await.unwrap();
+        }
+        let rows = dump(&Database::create(&path).unwrap());
+        assert_eq!(
+            rows.iter().filter(|r| r.starts_with("claim_rows")).count(),
+            2,
+            "{rows:?}"
+        );
+        let store = EmbeddedStore::open(&path, POLICY).unwrap();
+        for (key, id) in [("odd", &odd.job.id), ("other", &other.job.id)] {
+            let found = store.find("o", key).await.unwrap().expect("its job");
+            assert_eq!(&found.job.id, id);
+        }
+        assert!(store.find("o", "not-other").await.unwrap().is_none());
+        let later = now + POLICY.retention + POLICY.late_result_window + Duration::from_secs(1);
+        let swept = sweep_due(&store.writer.downgrade(), later).await;
+        assert_eq!(swept.expect("the store is open").unwrap(), 2);
+        store.checkpoint().await.unwrap();
+        assert_eq!(store.shared.claims().len(), 0);
+        drop(store);
+        let rows = dump(&Database::create(&path).unwrap());
+        assert!(rows.is_empty(), "{rows:?}");
     }
 
     #[tokio::test]

@@ -87,15 +87,18 @@ impl<'t> Tables<'t> {
 
     /// Writes `record` as its job's latest version, its answer to its own table, and moves
     /// the index entries that change. Every job the tables hold holds its key (a claim
-    /// that replaces an expired job deletes it), so a new job's claim is filed with it;
-    /// replayed from an earlier point, the frames of a job that a later one replaced file
-    /// it again for a while, until its deletion's frame.
+    /// that replaces an expired job deletes it), so a new job's claim is filed with it: in
+    /// its id, or in `claim_rows` if the id does not carry its hash. Replayed from an
+    /// earlier point, the frames of a job that a later one replaced file it again for a
+    /// while, until its deletion's frame.
     pub(super) fn put(&mut self, record: &JobRecord) -> TxResult<()> {
         let id = record.job.id.as_str();
         let before = self.load(id)?.map(|row| Indexed::of(&row));
         if before.is_none() {
             let hash = claims::hash_of(&record.job.owner, &record.job.key);
-            self.claim_rows.insert(row_key(id).as_str(), hash)?;
+            if claims::carried_hash(id) != Some(hash) {
+                self.claim_rows.insert(row_key(id).as_str(), hash)?;
+            }
             let holder = claims::Holder::new(hash, id);
             self.claim_changes.push(claims::Change::Add(hash, holder));
         }
@@ -149,8 +152,11 @@ impl<'t> Tables<'t> {
         self.expiry.remove((millis(record.job.expires_at), id))?;
         self.unknown.remove(id)?;
         self.in_progress.remove(id)?;
-        if let Some(hash) = self.claim_rows.remove(row.as_str())? {
-            let hash = hash.value();
+        let filed = self
+            .claim_rows
+            .remove(row.as_str())?
+            .map(|hash| hash.value());
+        if let Some(hash) = filed.or_else(|| claims::carried_hash(id)) {
             let holder = claims::Holder::new(hash, id);
             self.claim_changes
                 .push(claims::Change::Remove(hash, holder));
