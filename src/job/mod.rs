@@ -631,6 +631,12 @@ impl JobRecord {
         if job.completed_by == Some(n) && attempt.state.is_live() {
             return Ok(Effect::Won);
         }
+        if attempt.state == AttemptState::LostRace {
+            // Re-applied after a store blip swallowed the first reply: the same loss.
+            return Ok(Effect::LostRace {
+                completed_by: job.completed_by,
+            });
+        }
         if !attempt.state.is_live() {
             return Ok(Effect::Discarded);
         }
@@ -1358,6 +1364,25 @@ mod tests {
             (JobState::InProgress, 1, None)
         );
         assert_eq!(complete(&mut r, a, "primary"), Ok(Effect::Won));
+    }
+
+    #[test]
+    fn a_stream_that_lost_the_race_loses_it_again_when_retried() {
+        // A store blip swallowed the first reply; the caller applies the same transition again.
+        let mut r = record();
+        let a = start(&mut r, "p");
+        let b = start(&mut r, "q");
+        assert_eq!(
+            stream(&mut r, Transition::BeginStream { n: a }),
+            Ok(Effect::Won)
+        );
+        let lost = Effect::LostRace {
+            completed_by: Some(a),
+        };
+        for _ in 0..2 {
+            assert_eq!(stream(&mut r, Transition::BeginStream { n: b }), Ok(lost));
+        }
+        assert_eq!(r.attempt(b).unwrap().state, AttemptState::LostRace);
     }
 
     #[test]
