@@ -530,7 +530,7 @@ impl Runner {
         let expected = model.apply(transition.clone(), self.now, &POLICY);
         // A store that blipped is retried, as the engine does: with a lost reply, the retry
         // must be recognised as already applied, or store and model part ways.
-        let applied = apply_retrying(&*self.store, &id, &transition, self.now).await?;
+        let (applied, _) = apply_retrying(&*self.store, &id, &transition, self.now).await?;
         if applied.outcome != expected {
             return Err(format!(
                 "the store answered {:?}, the model {expected:?}",
@@ -576,46 +576,69 @@ impl Runner {
             .await
             .map_err(|e| e.to_string())?
             .ok_or("the raced job vanished")?;
-        // Which order did the store take? Replay both on the model.
-        for (first, second, out_first, out_second) in [
-            (&ta, &tb, &ra.outcome, &rb.outcome),
-            (&tb, &ta, &rb.outcome, &ra.outcome),
+        // Which order did the store take? Replay both on the model. A write whose reply
+        // was lost may have landed before the other one and been retried after it: its
+        // answer is then what its retry found, the job as the other one left it.
+        for (first, second, out_first, out_second, first_retried) in [
+            (&ta, &tb, &ra.0.outcome, &rb.0.outcome, ra.1),
+            (&tb, &ta, &rb.0.outcome, &ra.0.outcome, rb.1),
         ] {
             let mut model = before.clone();
             let e1 = model.apply(first.clone(), now, &POLICY);
             let middle = model.clone();
             let e2 = model.apply(second.clone(), now, &POLICY);
-            if &e1 != out_first || &e2 != out_second || check_same(&after, &model).is_err() {
+            if &e2 != out_second {
                 continue;
             }
+            let settled = model.clone();
+            let retry = if &e1 == out_first && check_same(&after, &model).is_ok() {
+                None
+            } else if first_retried {
+                let e3 = model.apply(first.clone(), now, &POLICY);
+                if &e3 != out_first || check_same(&after, &model).is_err() {
+                    continue;
+                }
+                Some(e3)
+            } else {
+                continue;
+            };
             reference::check(&before, first, &middle)?;
-            reference::check(&middle, second, &after)?;
+            reference::check(&middle, second, &settled)?;
             let history = self.histories.get_mut(&id).unwrap();
-            check_invariants(&before, &middle, first, out_first, history)?;
-            check_invariants(&middle, &after, second, out_second, history)?;
+            check_invariants(&before, &middle, first, &e1, history)?;
+            check_invariants(&middle, &settled, second, out_second, history)?;
+            if let Some(e3) = retry {
+                reference::check(&settled, first, &model)?;
+                check_invariants(&settled, &model, first, &e3, history)?;
+            }
             self.model.jobs.insert(id, model);
             return Ok(());
         }
         Err(format!(
             "a race of {ta:?} and {tb:?} left {:?} v{} (answers {:?}, {:?}): neither order gives that",
-            after.job.state, after.job.version, ra.outcome, rb.outcome
+            after.job.state, after.job.version, ra.0.outcome, rb.0.outcome
         ))
     }
 }
 
 /// Applies a transition, retrying a store that blipped as the engine does: with a lost
 /// reply, the retry must be recognised as already applied, or store and model part ways.
+/// Also says whether a reply was lost, so that the write may have landed before the retry.
 async fn apply_retrying(
     store: &dyn JobStore,
     id: &str,
     transition: &Transition,
     now: SystemTime,
-) -> Result<idemgate::store::Applied, String> {
+) -> Result<(idemgate::store::Applied, bool), String> {
     let mut tries = 0;
+    let mut lost_reply = false;
     loop {
         match store.apply(id, transition.clone(), now).await {
-            Ok(applied) => return Ok(applied),
-            Err(_) if tries < 20 => tries += 1,
+            Ok(applied) => return Ok((applied, lost_reply)),
+            Err(e) if tries < 20 => {
+                lost_reply |= e.to_string().contains(faults::REPLY_LOST);
+                tries += 1;
+            }
             Err(e) => return Err(e.to_string()),
         }
     }
@@ -786,17 +809,17 @@ where
     let started = std::time::Instant::now();
     let seeds = seeds(default);
     let mut steps = 0;
-    let mut fired = Vec::new();
+    // Counted as each history ends: a history's store (its connections, on PostgreSQL)
+    // closes with it.
+    let total = faults::Fired::default();
     let mut races = 0;
     for &seed in &seeds {
         let (store, _guard) = open(seed).await;
-        let store = match faults {
+        let faulty =
+            faults.map(|per_mille| faults::Faulty::seeded(store.clone(), seed, per_mille, false));
+        let store = match &faulty {
             None => store,
-            Some(per_mille) => {
-                let faulty = faults::Faulty::seeded(store, seed, per_mille, false);
-                fired.push(faulty.clone());
-                faulty as Arc<dyn JobStore>
-            }
+            Some(faulty) => faulty.clone() as Arc<dyn JobStore>,
         };
         let mut rng = fastrand::Rng::with_seed(seed);
         let ops = generate(&mut rng);
@@ -816,24 +839,24 @@ where
             }
             steps += 1;
         }
+        if let Some(faulty) = faulty {
+            use std::sync::atomic::Ordering::Relaxed;
+            let fired = &faulty.fired;
+            total
+                .error_before
+                .fetch_add(fired.error_before.load(Relaxed), Relaxed);
+            total
+                .error_after
+                .fetch_add(fired.error_after.load(Relaxed), Relaxed);
+            total.delay.fetch_add(fired.delay.load(Relaxed), Relaxed);
+        }
     }
     println!(
         "model {name}: {} histories, {steps} steps ({races} of them two transitions at once), {:.1?}",
         seeds.len(),
         started.elapsed()
     );
-    if !fired.is_empty() {
-        let total = faults::Fired::default();
-        for f in &fired {
-            use std::sync::atomic::Ordering::Relaxed;
-            total
-                .error_before
-                .fetch_add(f.fired.error_before.load(Relaxed), Relaxed);
-            total
-                .error_after
-                .fetch_add(f.fired.error_after.load(Relaxed), Relaxed);
-            total.delay.fetch_add(f.fired.delay.load(Relaxed), Relaxed);
-        }
+    if faults.is_some() {
         println!("model {name}: {}", faults::report(&total));
     }
 }

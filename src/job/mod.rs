@@ -517,8 +517,11 @@ impl JobRecord {
             Transition::BeginStream { n } => self.begin_stream(n, now),
             Transition::EndStream { n, response } => self.end_stream(n, Ok(response), now),
             Transition::CutStream { n, error } => self.end_stream(n, Err(error), now),
+            // Cancelled since the operator saw it: by this cancel, applied before its reply
+            // was lost (perhaps after a retry of the client re-opened the job, so more than
+            // one version on), or by another that did what this one asks.
             Transition::CancelAt { version }
-                if self.job.state == JobState::Cancelled && self.job.version == version + 1 =>
+                if self.job.state == JobState::Cancelled && self.job.version > version =>
             {
                 Ok(Effect::Applied)
             }
@@ -1126,6 +1129,46 @@ mod tests {
             );
             assert_eq!(r.job.version, 1);
         }
+    }
+
+    /// An operator's cancel is known by the version it saw: applied again after its reply
+    /// was lost, it is already applied, even when a retry of the client re-opened the job
+    /// between the operator's look and the cancel; a cancel of a job seen cancelled is not.
+    #[test]
+    fn a_cancel_applied_again_is_recognised_by_the_version_it_saw() {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        fail(&mut r, a).unwrap();
+        r.apply(Transition::FailRound { version: 1 }, t(2), &POLICY)
+            .unwrap();
+        let seen = r.job.version;
+        r.apply(
+            Transition::Reopen {
+                version: seen,
+                lease_until: t(40),
+            },
+            t(3),
+            &POLICY,
+        )
+        .unwrap();
+        let cancel = Transition::CancelAt { version: seen };
+        assert_eq!(r.apply(cancel.clone(), t(4), &POLICY), Ok(Effect::Applied));
+        assert_eq!(
+            (r.job.state, r.job.version),
+            (JobState::Cancelled, seen + 2)
+        );
+        assert_eq!(r.apply(cancel, t(5), &POLICY), Ok(Effect::Applied));
+        assert_eq!(r.job.version, seen + 2, "applied once");
+        assert_eq!(
+            r.apply(
+                Transition::CancelAt {
+                    version: r.job.version
+                },
+                t(6),
+                &POLICY
+            ),
+            Err(Rejection::AlreadySettled(JobState::Cancelled))
+        );
     }
 
     #[test]

@@ -53,7 +53,8 @@ pub enum Transition {
     /// [`Transition::CancelAt`]); it is for a person or a tool applying it once.
     Cancel,
     /// Out-of-band resolution of the job an operator saw at `version` (the admin API): a
-    /// second apply finds it cancelled at `version + 1` and is already applied.
+    /// second apply finds it cancelled at a later version and is already applied; a cancel
+    /// of a job the operator saw cancelled already is refused as settled.
     CancelAt {
         version: u64,
     },

@@ -61,6 +61,9 @@ impl std::fmt::Debug for CrashPoint {
     }
 }
 
+/// What a write whose reply was lost fails with: the store applied it.
+pub const REPLY_LOST: &str = "the reply was lost after the write";
+
 #[derive(Debug)]
 pub struct Faulty {
     inner: Arc<dyn JobStore>,
@@ -202,7 +205,7 @@ impl Faulty {
             Some(Fault::ErrorAfter) => {
                 self.fired.error_after.fetch_add(1, Ordering::Relaxed);
                 let _ = op.await?;
-                Err(lost("the reply was lost after the write"))
+                Err(lost(REPLY_LOST))
             }
             Some(Fault::Delay(pause)) => {
                 self.fired.delay.fetch_add(1, Ordering::Relaxed);
