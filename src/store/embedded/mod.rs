@@ -236,8 +236,11 @@ impl Shared {
         if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(self.unavailable("the file cannot be written"));
         }
-        let snapshot = self.overlay().snapshot();
+        let mut snapshot = self.overlay().snapshot();
         if !snapshot.jobs.is_empty() {
+            // In the order of their rows: the overlay's order is its hash map's, and each
+            // put then landed on a leaf of its own among the thousands a checkpoint dirties.
+            snapshot.jobs.sort_by_cached_key(|(id, _)| row_key(id));
             let txn = self.db.begin_write().map_err(|e| self.unavailable(e))?;
             let changes = {
                 let mut tables = Tables::open(&txn).map_err(|e| self.unavailable(e))?;
