@@ -77,9 +77,9 @@ impl<'t> Tables<'t> {
         }
     }
 
-    /// The job's row, without its answer.
-    fn load(&self, id: &str) -> TxResult<Option<JobRecord>> {
-        match self.jobs.get(row_key(id).as_str())? {
+    /// The job's row (at its [`row_key`]), without its answer.
+    fn load(&self, row: &str) -> TxResult<Option<JobRecord>> {
+        match self.jobs.get(row)? {
             None => Ok(None),
             Some(bytes) => Ok(Some(decode(bytes.value())?)),
         }
@@ -93,31 +93,30 @@ impl<'t> Tables<'t> {
     /// while, until its deletion's frame.
     pub(super) fn put(&mut self, record: &JobRecord) -> TxResult<()> {
         let id = record.job.id.as_str();
-        let before = self.load(id)?.map(|row| Indexed::of(&row));
+        let row = row_key(id);
+        let before = self.load(&row)?.map(|job| Indexed::of(&job));
         if before.is_none() {
             let hash = claims::hash_of(&record.job.owner, &record.job.key);
             if claims::carried_hash(id) != Some(hash) {
-                self.claim_rows.insert(row_key(id).as_str(), hash)?;
+                self.claim_rows.insert(row.as_str(), hash)?;
             }
             let holder = claims::Holder::new(hash, id);
             self.claim_changes.push(claims::Change::Add(hash, holder));
         }
-        self.save(record, before)
+        self.save(record, &row, before)
     }
 
     /// Writes the rows and keeps the indexes in step. `before` is what the indexes hold for
     /// the job (nothing for a new one): an entry that does not change is not touched, since
     /// each insert or remove in a table walks its tree and may copy a page, even when it
     /// changes nothing.
-    fn save(&mut self, record: &JobRecord, before: Option<Indexed>) -> TxResult<()> {
+    fn save(&mut self, record: &JobRecord, row: &str, before: Option<Indexed>) -> TxResult<()> {
         let id = record.job.id.as_str();
-        let row = row_key(id);
         if let Some(response) = &record.job.response {
-            self.responses
-                .insert(row.as_str(), encode(response).as_slice())?;
+            self.responses.insert(row, encode(response).as_slice())?;
         }
         self.jobs
-            .insert(row.as_str(), encode(&Unanswered(record)).as_slice())?;
+            .insert(row, encode(&Unanswered(record)).as_slice())?;
         let after = Indexed::of(record);
         let expired_at = before.map(|b| b.expires_at);
         if expired_at != Some(after.expires_at) {
@@ -143,10 +142,10 @@ impl<'t> Tables<'t> {
     /// Deletes the job, its answer, its index entries and its claim. A job the tables
     /// never had is nothing to delete.
     pub(super) fn delete(&mut self, id: &str) -> TxResult<()> {
-        let Some(record) = self.load(id)? else {
+        let row = row_key(id);
+        let Some(record) = self.load(&row)? else {
             return Ok(());
         };
-        let row = row_key(id);
         self.jobs.remove(row.as_str())?;
         self.responses.remove(row.as_str())?;
         self.expiry.remove((millis(record.job.expires_at), id))?;
