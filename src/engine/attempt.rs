@@ -266,8 +266,13 @@ impl AttemptTask {
                 match self.engine.apply(job_id, complete).await {
                     Ok(Applied {
                         outcome: Ok(Effect::Won),
-                        ..
-                    }) => Done::Won(response),
+                        record,
+                    }) => Done::Won(match record.job.response {
+                        // The answer as stored, which is this one: what the client gets
+                        // first is then what every replay gives, whatever took the slot.
+                        Some(stored) if !stored.body_omitted => stored,
+                        _ => response,
+                    }),
                     Ok(Applied {
                         outcome: Ok(Effect::LostRace { completed_by }),
                         ..

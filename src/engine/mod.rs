@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -530,7 +530,7 @@ impl Engine {
                     };
                 }
                 Found::Reopenable { version } => {
-                    let lease_until = now + idem.lease;
+                    let lease_until = reopen_lease(now, idem.lease);
                     let reopen = Transition::Reopen {
                         version,
                         lease_until,
@@ -699,6 +699,16 @@ impl Drop for RoundRegistration<'_> {
 }
 
 /// The ordinal of a job's next attempt.
+/// The lease a re-open writes, which is also how a retry of that re-open knows it applied
+/// (`Transition::Reopen`): two clients' retries re-opening one job at the same instant, on
+/// two gateways or under a paused clock, would otherwise share it, each take the other's
+/// re-open for its own, and both run a round (seen in the simulation: two calls for one
+/// attempt, and the loser's body served). Up to a millisecond of random nanoseconds on a
+/// lease of seconds sets them apart.
+fn reopen_lease(now: SystemTime, lease: Duration) -> SystemTime {
+    now + lease + Duration::from_nanos(fastrand::u64(..1_000_000))
+}
+
 fn next_ordinal(record: &JobRecord) -> u32 {
     record.attempts.last().map_or(1, |a| a.n + 1)
 }

@@ -208,3 +208,21 @@ async fn a_hedge_that_finishes_first_wins_even_over_the_primary() {
         )
     );
 }
+
+/// A re-open is told from another client's by its lease instant (`Transition::Reopen`): two
+/// made at one instant, as two gateways' retries of one failed job can be, must not share
+/// it, or each takes the other's re-open for its own and both run a round.
+#[test]
+fn two_reopens_at_one_instant_write_leases_of_their_own() {
+    let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(2_000_000_000);
+    let lease = Duration::from_secs(30);
+    let (a, b) = (
+        super::reopen_lease(now, lease),
+        super::reopen_lease(now, lease),
+    );
+    assert_ne!(a, b);
+    for at in [a, b] {
+        let past = at.duration_since(now + lease).unwrap();
+        assert!(past < Duration::from_millis(1), "{past:?} past the lease");
+    }
+}
