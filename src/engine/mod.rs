@@ -698,7 +698,6 @@ impl Drop for RoundRegistration<'_> {
     }
 }
 
-/// The ordinal of a job's next attempt.
 /// The lease a re-open writes, which is also how a retry of that re-open knows it applied
 /// (`Transition::Reopen`): two clients' retries re-opening one job at the same instant, on
 /// two gateways or under a paused clock, would otherwise share it, each take the other's
@@ -709,6 +708,7 @@ fn reopen_lease(now: SystemTime, lease: Duration) -> SystemTime {
     now + lease + Duration::from_nanos(fastrand::u64(..1_000_000))
 }
 
+/// The ordinal of a job's next attempt.
 fn next_ordinal(record: &JobRecord) -> u32 {
     record.attempts.last().map_or(1, |a| a.n + 1)
 }
