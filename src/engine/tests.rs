@@ -226,3 +226,54 @@ fn two_reopens_at_one_instant_write_leases_of_their_own() {
         assert!(past < Duration::from_millis(1), "{past:?} past the lease");
     }
 }
+
+/// An attempt whose win was already recorded (a second call for it, which no path should
+/// make) answers its client with the stored answer, never its own body: what the client
+/// gets first is what every replay gives.
+#[tokio::test(start_paused = true)]
+async fn a_win_answers_with_the_stored_answer() {
+    let (engine, providers) = engine("", vec![script(200, 1_000), script(200, 100)]);
+    let running = tokio::spawn({
+        let engine = engine.clone();
+        async move { submit(&engine, "k").await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let record = engine.store().find("owner", "k").await.unwrap().unwrap();
+    let stored = crate::job::StoredResponse {
+        status: 200,
+        headers: vec![("content-type".to_owned(), "application/json".into())].into(),
+        body: bytes::Bytes::from_static(b"{\"stored\":true}"),
+        body_omitted: false,
+    };
+    let won = engine
+        .store()
+        .apply(
+            &record.job.id,
+            crate::job::Transition::Complete {
+                n: 1,
+                response: stored.clone(),
+            },
+            crate::clock::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(won.outcome, Ok(crate::job::Effect::Won));
+    let outcome = running.await.unwrap();
+    let Outcome::Answer {
+        response,
+        n,
+        replayed,
+        ..
+    } = outcome
+    else {
+        panic!("expected an answer, got {outcome:?}");
+    };
+    assert_eq!((n, replayed), (1, false));
+    assert_eq!(
+        response.body, stored.body,
+        "the stored answer, not the call's own"
+    );
+    assert_eq!(providers.calls(), [1, 0]);
+    let record = engine.store().get(&record.job.id).await.unwrap().unwrap();
+    assert_eq!(record.job.response.unwrap().body, stored.body);
+}
