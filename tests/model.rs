@@ -7,7 +7,8 @@
 //! `MODEL_SEED=<seed> cargo test --test model` reruns that one history. `cargo test` runs a
 //! bounded number of seeds per store (3000 memory, 60 embedded, 300 Redis, 100 Redis
 //! Cluster: seconds); `MODEL_SCALE=20 cargo test --release --test model -- --nocapture`
-//! runs twenty times as many (minutes), for before a release.
+//! runs twenty times as many (minutes), for before a release; `MODEL_FROM=<seed>` starts
+//! them there instead of at 0, to explore seeds not run before.
 //!
 //! The invariants, written once here:
 //! 1. At most one attempt of a job ever wins: `completed_by` is set once, and a settled
@@ -777,7 +778,11 @@ fn seeds(default: u64) -> Vec<u64> {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1);
-    (0..default * scale).collect()
+    let from: u64 = std::env::var("MODEL_FROM")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    (from..from + default * scale).collect()
 }
 
 /// Runs `count` seeded histories against stores from `open`.
