@@ -151,9 +151,9 @@ pub enum Cause {
         method: Method,
         path: String,
     },
-    /// The owner's header (`None`: `Authorization`) is missing.
+    /// The request names no owner; what it lacks, for the detail.
     MissingOwner {
-        header: Option<String>,
+        wanted: String,
     },
     /// Why the idempotency key is not acceptable, as the key parser says it.
     InvalidKey(String),
@@ -254,13 +254,9 @@ impl From<Cause> for Problem {
         use ProblemKind as K;
         let (kind, detail): (ProblemKind, String) = match cause {
             Cause::NoRoute { method, path } => (K::NoRoute, format!("no route matches {method} {path}")),
-            Cause::MissingOwner { header: Some(name) } => (
+            Cause::MissingOwner { wanted } => (
                 K::MissingOwner,
-                format!("the {name} header names the owner of the key and is missing"),
-            ),
-            Cause::MissingOwner { header: None } => (
-                K::MissingOwner,
-                "an Authorization header is required: the key belongs to its owner".into(),
+                format!("{wanted} is required: an idempotency key belongs to its owner"),
             ),
             Cause::InvalidKey(why) => (K::InvalidIdempotencyKey, why),
             Cause::MissingKey { route, header } => (

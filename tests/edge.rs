@@ -446,6 +446,21 @@ async fn api_key_owners_are_one_owner_whichever_header_carries_the_key() {
         )
         .await;
     two.assert_problem(400, "ambiguous-owner");
+    let none = gw
+        .request(
+            Method::POST,
+            CHAT,
+            &[("idempotency-key", "k")],
+            chat_request(),
+        )
+        .await;
+    none.assert_problem(401, "missing-owner");
+    // Names every header the key may come in, not only Authorization.
+    let detail = none.json()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        detail.contains("X-Api-Key") && detail.contains("api-key"),
+        "{detail}"
+    );
     assert_eq!(received(&provider).await, 1);
 }
 

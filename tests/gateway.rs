@@ -737,6 +737,8 @@ async fn header_owners_are_isolated_and_required() {
         )
         .await;
     missing.assert_problem(401, "missing-owner");
+    let detail = missing.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.to_lowercase().contains("x-owner-id"), "{detail}");
     assert_eq!(received(&primary).await, 2);
 }
 

@@ -218,9 +218,13 @@ impl Gateway {
         let owner = intent::owner(&idem.owner, &parts.headers).map_err(|e| match e {
             OwnerError::Ambiguous(why) => Cause::AmbiguousOwner(why),
             OwnerError::Missing => Cause::MissingOwner {
-                header: match &idem.owner {
-                    intent::OwnerMode::Header(name) => Some(name.to_string()),
-                    _ => None,
+                wanted: match &idem.owner {
+                    intent::OwnerMode::Header(name) => format!("the {name} header"),
+                    // The SDKs send their key in any of the three.
+                    intent::OwnerMode::ApiKey => {
+                        "an API key (Authorization: Bearer, X-Api-Key or api-key)".into()
+                    }
+                    _ => "an Authorization header".into(),
                 },
             },
         })?;
