@@ -11,7 +11,8 @@
 //! 4. every successful answer a client got is its job's stored winner, byte for byte.
 //!
 //! `cargo test` runs a short version (about 20 s); `CHAOS_SCALE=5 cargo test --release
-//! --test chaos -- --nocapture` runs five times the intents over a longer storm.
+//! --test chaos -- --nocapture` runs five times the intents over a storm five times as long,
+//! with five rounds of those faults (each killing the other gateway).
 
 mod common;
 
@@ -255,22 +256,30 @@ async fn storm(name: &str, mut store: impl Victim) {
         }));
     }
 
-    // The storm.
-    let step = storm / 8;
-    tokio::time::sleep(step).await;
-    store.kill().await;
-    tokio::time::sleep(step / 2).await;
-    store.restart().await;
-    tokio::time::sleep(step).await;
-    store.freeze();
-    tokio::time::sleep(step / 2).await;
-    store.thaw();
-    tokio::time::sleep(step).await;
-    processes[0].child.kill().unwrap(); // kill -9 gateway a
-    processes[0].child.wait().unwrap();
-    tokio::time::sleep(step / 2).await;
-    let (file, port, admin) = &gateways[0];
-    processes[0] = spawn_gateway(file, *port, *admin).await;
+    // The storm: one round of faults per 8 s of it, so a longer storm has more of them
+    // rather than the same ones further apart; each round kills the other gateway.
+    let rounds = scale;
+    let step = Duration::from_secs(1);
+    for round in 0..rounds {
+        tokio::time::sleep(step).await;
+        store.kill().await;
+        tokio::time::sleep(step / 2).await;
+        store.restart().await;
+        tokio::time::sleep(step).await;
+        store.freeze();
+        tokio::time::sleep(step / 2).await;
+        store.thaw();
+        tokio::time::sleep(step).await;
+        let victim = round % 2;
+        processes[victim].child.kill().unwrap(); // kill -9
+        processes[victim].child.wait().unwrap();
+        tokio::time::sleep(step / 2).await;
+        let (file, port, admin) = &gateways[victim];
+        processes[victim] = spawn_gateway(file, *port, *admin).await;
+        if round + 1 < rounds {
+            tokio::time::sleep(step * 7 / 2).await;
+        }
+    }
     for client in clients {
         bounded_by(Duration::from_secs(120), client).await;
     }
@@ -327,7 +336,7 @@ async fn storm(name: &str, mut store: impl Victim) {
     }
     let calls: usize = ledger.calls.values().sum();
     eprintln!(
-        "chaos on {name}: {intents} intents, {} requests ({} duplicates and retries), 1 store kill -9, 1 store SIGSTOP, 1 gateway kill -9; \
+        "chaos on {name}: {intents} intents, {} requests ({} duplicates and retries), {rounds} store kill -9, {rounds} store SIGSTOP, {rounds} gateway kill -9; \
          {} jobs reached the provider: {states:?}; {calls} provider calls, {attempts_recorded} attempts recorded; {} answers checked; {:.1?}",
         requests.load(std::sync::atomic::Ordering::Relaxed),
         requests.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(intents),
