@@ -446,14 +446,7 @@ async fn api_key_owners_are_one_owner_whichever_header_carries_the_key() {
         )
         .await;
     two.assert_problem(400, "ambiguous-owner");
-    let none = gw
-        .request(
-            Method::POST,
-            CHAT,
-            &[("idempotency-key", "k")],
-            chat_request(),
-        )
-        .await;
+    let none = gw.post_without_owner(CHAT, "k", chat_request()).await;
     none.assert_problem(401, "missing-owner");
     // Names every header the key may come in, not only Authorization.
     let detail = none.json()["detail"].as_str().unwrap().to_owned();
@@ -495,14 +488,7 @@ async fn only_listed_clients_get_through_and_nothing_is_claimed_for_the_others()
         )
         .await;
     proxied.assert_problem(401, "unknown-client");
-    let nobody = gw
-        .request(
-            Method::POST,
-            CHAT,
-            &[("idempotency-key", "k")],
-            chat_request(),
-        )
-        .await;
+    let nobody = gw.post_without_owner(CHAT, "k", chat_request()).await;
     nobody.assert_problem(401, "missing-owner");
     assert_eq!(received(&provider).await, 0);
     assert_eq!(gw.post(CHAT, Some("k"), chat_request()).await.status, 200);

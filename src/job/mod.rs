@@ -854,6 +854,16 @@ mod tests {
         )
     }
 
+    /// A job whose first round failed (version 2): what a client's retry re-opens.
+    fn failed_round() -> JobRecord {
+        let mut r = record();
+        let a = start(&mut r, "p");
+        fail(&mut r, a).unwrap();
+        r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY)
+            .unwrap();
+        r
+    }
+
     fn unknown(r: &mut JobRecord, n: u32) {
         r.apply(
             Transition::AttemptUnknown {
@@ -958,11 +968,7 @@ mod tests {
 
     #[test]
     fn cas_requires_the_read_version() {
-        let mut r = record();
-        let a = start(&mut r, "p");
-        fail(&mut r, a).unwrap();
-        r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY)
-            .unwrap();
+        let mut r = failed_round();
         r.apply(
             Transition::Reopen {
                 version: 2,
@@ -978,7 +984,7 @@ mod tests {
         assert_eq!(r.attempt(b).unwrap().read_version, 3);
         r.attempts[0].state = AttemptState::Unknown;
         assert_eq!(
-            complete(&mut r, a, "stale"),
+            complete(&mut r, 1, "stale"),
             Ok(Effect::LostRace { completed_by: None })
         );
         assert_eq!(r.job.state, JobState::InProgress);
@@ -1136,11 +1142,7 @@ mod tests {
     /// between the operator's look and the cancel; a cancel of a job seen cancelled is not.
     #[test]
     fn a_cancel_applied_again_is_recognised_by_the_version_it_saw() {
-        let mut r = record();
-        let a = start(&mut r, "p");
-        fail(&mut r, a).unwrap();
-        r.apply(Transition::FailRound { version: 1 }, t(2), &POLICY)
-            .unwrap();
+        let mut r = failed_round();
         let seen = r.job.version;
         r.apply(
             Transition::Reopen {
@@ -1188,11 +1190,7 @@ mod tests {
 
     #[test]
     fn reopen_is_version_checked_so_one_of_two_retries_wins() {
-        let mut r = record();
-        let a = start(&mut r, "p");
-        fail(&mut r, a).unwrap();
-        r.apply(Transition::FailRound { version: 1 }, t(3), &POLICY)
-            .unwrap();
+        let mut r = failed_round();
         assert_eq!(r.classify("fp", t(4)), Found::Reopenable { version: 2 });
         let reopen = Transition::Reopen {
             version: 2,

@@ -447,10 +447,5 @@ mod tests {
                 assert!(std::ptr::eq(first, changes.of(&new_job_id("owner", key))));
             }
         }
-        // Ids not minted by the gateway are sharded by the whole id.
-        assert!(std::ptr::eq(
-            changes.of("legacy-id"),
-            changes.of("legacy-id")
-        ));
     }
 }

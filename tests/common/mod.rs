@@ -252,6 +252,12 @@ impl TestGateway {
         self.request(Method::POST, path, &headers, body).await
     }
 
+    /// A keyed chat request that carries no credential at all.
+    pub async fn post_without_owner(&self, path: &str, key: &str, body: Bytes) -> Reply {
+        let headers = [("idempotency-key", key)];
+        self.request(Method::POST, path, &headers, body).await
+    }
+
     pub async fn request(
         &self,
         method: Method,
