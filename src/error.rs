@@ -54,6 +54,10 @@ pub enum ProblemKind {
     UnknownClient,
     /// The client was too slow sending its head or body.
     RequestTimeout,
+    /// A request head larger than the connection takes (`edge::conn::MAX_HEAD_BYTES`).
+    HeadTooLarge,
+    /// A request target longer than HTTP's parser takes.
+    UriTooLong,
     /// Load shed: too many requests in flight, or too many body bytes buffered.
     Overloaded,
 }
@@ -80,6 +84,8 @@ impl ProblemKind {
             Self::AmbiguousOwner => "ambiguous-owner",
             Self::UnknownClient => "unknown-client",
             Self::RequestTimeout => "request-timeout",
+            Self::HeadTooLarge => "request-header-too-large",
+            Self::UriTooLong => "uri-too-long",
             Self::Overloaded => "overloaded",
         }
     }
@@ -94,6 +100,8 @@ impl ProblemKind {
             | Self::BadRequest
             | Self::AmbiguousOwner => StatusCode::BAD_REQUEST,
             Self::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            Self::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Self::UriTooLong => StatusCode::URI_TOO_LONG,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::IdempotencyKeyReused
@@ -139,6 +147,8 @@ impl ProblemKind {
             Self::AmbiguousOwner => "Ambiguous owner",
             Self::UnknownClient => "Unknown client",
             Self::RequestTimeout => "Request timeout",
+            Self::HeadTooLarge => "Request header too large",
+            Self::UriTooLong => "URI too long",
             Self::Overloaded => "Overloaded",
         }
     }
@@ -200,6 +210,12 @@ pub enum Cause {
     BodyTimeout,
     /// The client did not send its request head within `request_header_timeout`.
     HeadTimeout,
+    /// A request head that is not HTTP, answered by the connection before any route.
+    MalformedHead,
+    HeadTooLarge {
+        limit: usize,
+    },
+    UriTooLong,
     /// Too many requests in flight, or too many body bytes buffered.
     Overloaded,
     // The admin API's.
@@ -341,6 +357,18 @@ impl From<Cause> for Problem {
             Cause::HeadTimeout => (
                 K::RequestTimeout,
                 "the request head did not arrive in time".into(),
+            ),
+            Cause::MalformedHead => (
+                K::BadRequest,
+                "the request head is not valid HTTP/1.1".into(),
+            ),
+            Cause::HeadTooLarge { limit } => (
+                K::HeadTooLarge,
+                format!("the request head (request line and headers) is larger than {limit} bytes"),
+            ),
+            Cause::UriTooLong => (
+                K::UriTooLong,
+                "the request target is longer than 65 534 bytes".into(),
             ),
             Cause::Overloaded => {
                 return Self::new(

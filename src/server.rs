@@ -53,7 +53,11 @@ pub(crate) async fn serve(
     builder
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(None);
+        .header_read_timeout(None)
+        .max_buf_size(crate::edge::conn::MAX_HEAD_BYTES);
+    builder
+        .http2()
+        .max_header_list_size(crate::edge::conn::MAX_HEAD_BYTES as u32);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         // A slot first, then accept: past max_connections, clients wait in the backlog

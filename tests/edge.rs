@@ -170,6 +170,105 @@ async fn a_stalled_body_gets_408_and_a_closed_connection_and_reaches_no_one() {
     assert_eq!(store.count_unknown().await.unwrap(), 0);
 }
 
+/// Sends `request` on a connection of its own and reads the answer until the gateway
+/// closes the connection.
+async fn answer_on_its_own_connection(gw: &TestGateway, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
+    // The gateway may answer before it has read the whole request and close: a write that
+    // fails then is the test's to ignore, the answer is what counts.
+    let _ = stream.write_all(request).await;
+    let (read, closed) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+    assert!(closed.is_some(), "the connection stays open");
+    String::from_utf8_lossy(&read).into_owned()
+}
+
+/// The problem+json of a whole answer, checked against its `x-request-id` header.
+fn problem_of(answer: &str) -> serde_json::Value {
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    let head = head.to_ascii_lowercase();
+    assert!(
+        head.contains("content-type: application/problem+json"),
+        "{answer}"
+    );
+    assert!(head.contains("x-should-retry: false"), "{answer}");
+    let problem: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+    let id = problem["request_id"].as_str().expect("a request id");
+    assert!(head.contains(&format!("x-request-id: {id}")), "{answer}");
+    assert_eq!(
+        problem["error"]["code"],
+        problem["type"].as_str().unwrap()[13..]
+    );
+    problem
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_hyper_cannot_take_get_problems_and_reach_no_one() {
+    let provider = answering(completion()).await;
+    let gw = TestGateway::start(&edge_config(&provider.uri(), "")).await;
+    let keyed = |key: &str, extra: &str| {
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client-1\r\nIdempotency-Key: {key}\r\n{extra}Content-Length: 2\r\n\r\n{{}}"
+        )
+    };
+
+    // A head past 64 KiB, on a protected route and on a pass-through one.
+    let big = format!("X-Padding: {}\r\n", "a".repeat(100 * 1024));
+    for request in [
+        keyed("big", &big),
+        format!("GET /v1/models HTTP/1.1\r\nHost: x\r\n{big}\r\n"),
+    ] {
+        let answer = answer_on_its_own_connection(&gw, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");
+        let problem = problem_of(&answer);
+        assert_eq!(problem["type"], "urn:idemgate:request-header-too-large");
+        assert_eq!(problem["status"], 431);
+    }
+
+    // Not HTTP at all, and a request line with a space in its target.
+    for request in ["GARBAGE\r\n\r\n", "GET /a b HTTP/1.1\r\nHost: x\r\n\r\n"] {
+        let answer = answer_on_its_own_connection(&gw, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        assert_eq!(problem_of(&answer)["type"], "urn:idemgate:bad-request");
+    }
+
+    // A request target past the bound is a head past it.
+    let long = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000));
+    let answer = answer_on_its_own_connection(&gw, long.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");
+    assert_eq!(
+        problem_of(&answer)["type"],
+        "urn:idemgate:request-header-too-large"
+    );
+
+    assert_eq!(received(&provider).await, 0, "nothing reached the provider");
+    assert!(!key_was_claimed(&gw, "big").await, "nothing was claimed");
+
+    // A large head within the bound is served; the gateway's own 400 after it, on the same
+    // connection, stays its own.
+    let within = format!("X-Padding: {}\r\n", "a".repeat(48 * 1024));
+    let mut stream = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
+    stream
+        .write_all(keyed("within", &within).as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = bounded("the answer", stream.read(&mut buf)).await.unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert_eq!(received(&provider).await, 1);
+    stream
+        .write_all(format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client-1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}").as_bytes())
+        .await
+        .unwrap();
+    let (read, _) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+    let answer = String::from_utf8_lossy(&read);
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert_eq!(
+        problem_of(&answer)["type"],
+        "urn:idemgate:missing-idempotency-key"
+    );
+}
+
 /// A gateway with the `[server]` lines `server`, its provider, and a keep-alive connection
 /// to it that has had one answer: a keyless request on the chat route, which the gateway
 /// answers itself (400).

@@ -145,6 +145,12 @@ impl ConnState {
         }
     }
 
+    /// Whether the connection waits for a request head, none in flight: the only time
+    /// hyper writes an answer of its own.
+    fn awaiting_head(&self) -> bool {
+        matches!(self.lock().phase, Phase::Head { .. })
+    }
+
     /// When a connection in `phase` is closed, and why; `None` while requests are in flight.
     fn deadline(&self, phase: Phase) -> Option<(Instant, Kill)> {
         match phase {
@@ -195,11 +201,27 @@ impl ConnState {
     }
 }
 
-/// The canned answer to a client too slow to send its request head.
-fn request_timeout() -> Bytes {
-    let body = crate::error::Problem::from(crate::error::Cause::HeadTimeout).body();
+/// The largest request head a client may send: on HTTP/1.1 the request line and headers
+/// (what hyper buffers before the head is complete), on HTTP/2 the header list. hyper's own
+/// bound on HTTP/1.1 is about 400 KiB, which `max_connections` clients trickling heads
+/// could turn into gigabytes held; Envoy's default is 60 KiB, nginx's 32 KiB.
+pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// An answer the connection writes itself, outside any request: a problem+json with a
+/// request id of its own (no request has one yet), then the connection closes.
+fn canned(cause: crate::error::Cause) -> Bytes {
+    let problem = crate::error::Problem::from(cause);
+    let mut id = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let id = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut id);
+    let body = crate::error::REQUEST_ID.sync_scope(
+        http::HeaderValue::from_str(id).expect("a UUID is a header value"),
+        || problem.body(),
+    );
+    let status = problem.status();
     let mut out = format!(
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        "HTTP/1.1 {} {}\r\ncontent-type: application/problem+json\r\nx-should-retry: false\r\nx-request-id: {id}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        status.as_str(),
+        status.canonical_reason().unwrap_or_default(),
         body.len()
     )
     .into_bytes();
@@ -207,12 +229,45 @@ fn request_timeout() -> Bytes {
     Bytes::from(out)
 }
 
-/// A client connection whose reads its timers watch.
+/// What a head hyper wrote on its own means, when it is one: hyper answers a request head
+/// it cannot parse before any service sees it, with an empty body (a status line,
+/// `connection: close`, `content-length: 0`, `date` and nothing else). Every answer that
+/// comes through the gateway's services carries `x-request-id`, so none has that shape.
+fn hypers_own_answer(written: &[u8]) -> Option<crate::error::Cause> {
+    use crate::error::Cause;
+    let mut headers = [httparse::EMPTY_HEADER; 4];
+    let mut head = httparse::Response::new(&mut headers);
+    let Ok(httparse::Status::Complete(len)) = head.parse(written) else {
+        return None;
+    };
+    let own = len == written.len()
+        && head.headers.iter().all(|h| {
+            h.name.eq_ignore_ascii_case("date")
+                || h.name.eq_ignore_ascii_case("connection") && h.value == b"close"
+                || h.name.eq_ignore_ascii_case("content-length") && h.value == b"0"
+        });
+    match head.code? {
+        400 if own => Some(Cause::MalformedHead),
+        414 if own => Some(Cause::UriTooLong),
+        431 if own => Some(Cause::HeadTooLarge {
+            limit: MAX_HEAD_BYTES,
+        }),
+        _ => None,
+    }
+}
+
+/// A client connection whose reads its timers watch, and whose writes carry the gateway's
+/// problem+json in place of the empty answers hyper makes to heads it cannot parse.
 #[derive(Debug)]
 pub(crate) struct Watched {
     stream: TcpStream,
     state: Arc<ConnState>,
     answered: bool,
+    /// hyper's own answer was seen and replaced: it and anything hyper writes after it are
+    /// not sent.
+    replaced: bool,
+    /// What is still to be written of the replacement.
+    replacement: Bytes,
 }
 
 impl Watched {
@@ -221,6 +276,55 @@ impl Watched {
             stream,
             state,
             answered: false,
+            replaced: false,
+            replacement: Bytes::new(),
+        }
+    }
+
+    /// Whether `written` is to be replaced (or dropped, once a replacement was made).
+    fn replaces(&mut self, written: &[u8]) -> bool {
+        if self.replaced {
+            return true;
+        }
+        // Cheap tests first: this runs on every write of every answer.
+        let candidate = written.len() < 256
+            && written.starts_with(b"HTTP/1.")
+            && matches!(written.get(9..12), Some(b"400" | b"414" | b"431"));
+        if !candidate || !self.state.awaiting_head() {
+            return false;
+        }
+        let Some(cause) = hypers_own_answer(written) else {
+            return false;
+        };
+        self.replaced = true;
+        self.replacement = canned(cause);
+        true
+    }
+
+    /// Writes what is left of the replacement.
+    fn poll_replacement(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.replacement.is_empty() {
+            let n =
+                std::task::ready!(Pin::new(&mut self.stream).poll_write(cx, &self.replacement))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            bytes::Buf::advance(&mut self.replacement, n);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Reads away what the client sent and no one will read: unread bytes at close make the
+    /// kernel reset the connection, and a reset can discard an answer before the client
+    /// reads it.
+    fn read_away(&mut self, cx: &mut Context<'_>) {
+        let mut scratch = [0u8; 4096];
+        for _ in 0..16 {
+            let mut sink = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut self.stream).poll_read(cx, &mut sink) {
+                Poll::Ready(Ok(())) if !sink.filled().is_empty() => {}
+                _ => break,
+            }
         }
     }
 }
@@ -247,18 +351,9 @@ impl AsyncRead for Watched {
             if kill == Kill::HeadTimeout && !self.answered {
                 self.answered = true;
                 // Best effort: a fresh socket's send buffer takes these few hundred bytes.
-                let answer = request_timeout();
+                let answer = canned(crate::error::Cause::HeadTimeout);
                 let _ = Pin::new(&mut self.stream).poll_write(cx, &answer);
-                // Unread bytes at close would make the kernel reset the connection, and a
-                // reset can discard the 408 before the client reads it: read them away.
-                let mut scratch = [0u8; 4096];
-                for _ in 0..16 {
-                    let mut sink = ReadBuf::new(&mut scratch);
-                    match Pin::new(&mut self.stream).poll_read(cx, &mut sink) {
-                        Poll::Ready(Ok(())) if !sink.filled().is_empty() => {}
-                        _ => break,
-                    }
-                }
+                self.read_away(cx);
             }
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -280,14 +375,23 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.replaces(buf) {
+            std::task::ready!(self.poll_replacement(cx))?;
+            return Poll::Ready(Ok(buf.len()));
+        }
         Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        std::task::ready!(self.poll_replacement(cx))?;
         Pin::new(&mut self.stream).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        std::task::ready!(self.poll_replacement(cx))?;
+        if self.replaced {
+            self.read_away(cx);
+        }
         Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 
@@ -296,6 +400,14 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        // hyper's own answer is one head and no body: one slice.
+        let mut written = bufs.iter().filter(|b| !b.is_empty());
+        if let (Some(only), None) = (written.next(), written.next()) {
+            if self.replaces(only) {
+                std::task::ready!(self.poll_replacement(cx))?;
+                return Poll::Ready(Ok(only.len()));
+            }
+        }
         Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
     }
 
@@ -311,5 +423,66 @@ pub(crate) struct Finished(pub(crate) Arc<ConnState>);
 impl Drop for Finished {
     fn drop(&mut self) {
         self.0.request_finished();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Cause;
+
+    fn own(status: &str) -> String {
+        format!("HTTP/1.1 {status}\r\nconnection: close\r\ncontent-length: 0\r\ndate: Mon, 07 Dec 2026 04:17:12 GMT\r\n\r\n")
+    }
+
+    #[test]
+    fn hypers_own_answers_are_told_from_the_gateway_s() {
+        let cause = |written: &str| hypers_own_answer(written.as_bytes());
+        assert!(matches!(
+            cause(&own("400 Bad Request")),
+            Some(Cause::MalformedHead)
+        ));
+        assert!(matches!(
+            cause(&own("414 URI Too Long")),
+            Some(Cause::UriTooLong)
+        ));
+        assert!(matches!(
+            cause(&own("431 Request Header Fields Too Large")),
+            Some(Cause::HeadTooLarge {
+                limit: MAX_HEAD_BYTES
+            })
+        ));
+        // Any other status, header or body is an answer that came through the services.
+        assert!(cause(&own("404 Not Found")).is_none());
+        assert!(
+            cause("HTTP/1.1 400 Bad Request\r\nx-request-id: a\r\ncontent-length: 0\r\n\r\n")
+                .is_none()
+        );
+        assert!(cause("HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\n{}").is_none());
+        assert!(cause("HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n").is_none());
+    }
+
+    #[test]
+    fn a_canned_answer_is_a_whole_problem_with_its_own_request_id() {
+        let answer = canned(Cause::HeadTimeout);
+        let text = std::str::from_utf8(&answer).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        let problem: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(problem["type"], "urn:idemgate:request-timeout");
+        let id = problem["request_id"].as_str().unwrap();
+        assert!(head.contains(&format!("x-request-id: {id}\r\n")), "{head}");
+        assert_ne!(
+            canned(Cause::HeadTimeout),
+            answer,
+            "each answer has an id of its own"
+        );
     }
 }
