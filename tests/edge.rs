@@ -471,6 +471,50 @@ async fn a_keyed_post_on_an_off_route_is_served_but_says_the_key_was_not_honoure
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_request_id_is_kept_only_when_fit_to_log_and_forward() {
+    // No id of the provider's own: the gateway's is the one the client gets back.
+    let provider = answering(
+        wiremock::ResponseTemplate::new(200)
+            .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
+    )
+    .await;
+    let gw = TestGateway::start(&edge_config(&provider.uri(), "")).await;
+    let long = "r".repeat(201);
+    let mut sent_ids = Vec::new();
+    for (key, id) in [("fit", "req-mine"), ("long", long.as_str())] {
+        let reply = gw
+            .request(
+                Method::POST,
+                CHAT,
+                &[
+                    ("authorization", "Bearer a"),
+                    ("idempotency-key", key),
+                    ("x-request-id", id),
+                ],
+                chat_request(),
+            )
+            .await;
+        assert_eq!(reply.status, 200);
+        sent_ids.push(reply.header("x-request-id").expect("an id").to_owned());
+    }
+    assert_eq!(sent_ids[0], "req-mine");
+    assert!(
+        uuid::Uuid::parse_str(&sent_ids[1]).is_ok(),
+        "{}",
+        sent_ids[1]
+    );
+    // The provider got what the client got back, never the refused id.
+    let forwarded: Vec<String> = provider
+        .received_requests()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.headers["x-request-id"].to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(forwarded, sent_ids);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_owner_header_is_refused_and_replays_nobody_s_answer() {
     let provider = answering(completion()).await;
     let config = format!(

@@ -82,6 +82,7 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
             Box::pin(async move { Ok::<_, Infallible>(gateway.handle(request).await) })
         });
     let service = ServiceBuilder::new()
+        .map_request(drop_unfit_request_id)
         // First, so that every answer — shed, timed out, panicked — carries an id: the
         // client's own `X-Request-Id`, or a new one.
         .layer(SetRequestIdLayer::x_request_id(MakeUuid))
@@ -93,6 +94,30 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
             inner: BoxCloneService::new(limited),
         });
     BoxCloneService::new(service)
+}
+
+/// The longest `X-Request-Id` taken from a client. The id goes into every access line and
+/// to the provider, so a client could otherwise make each line as long as a request head.
+const MAX_REQUEST_ID: usize = 200;
+
+/// Removes a client's `X-Request-Id` that is empty, longer than `MAX_REQUEST_ID`, not
+/// printable ASCII, or sent more than once, so that the request gets an id of its own
+/// instead (as Heroku's router does with the ids it will not take).
+fn drop_unfit_request_id<B>(mut request: Request<B>) -> Request<B> {
+    let mut ids = request.headers().get_all(headers::REQUEST_ID).iter();
+    let fit = match (ids.next(), ids.next()) {
+        (None, _) => true,
+        (Some(id), None) => {
+            !id.is_empty()
+                && id.len() <= MAX_REQUEST_ID
+                && id.as_bytes().iter().all(|b| (b' '..=b'~').contains(b))
+        }
+        (Some(_), Some(_)) => false,
+    };
+    if !fit {
+        request.headers_mut().remove(headers::REQUEST_ID);
+    }
+    request
 }
 
 /// A random (v4) UUID for a request that brings no id, written straight into its header
@@ -181,6 +206,32 @@ impl Service<Request<Body>> for AccessLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_fit_client_request_ids_are_kept() {
+        let kept = |ids: &[&[u8]]| {
+            let mut request = Request::new(());
+            for id in ids {
+                request.headers_mut().append(
+                    headers::REQUEST_ID,
+                    http::HeaderValue::from_bytes(id).unwrap(),
+                );
+            }
+            drop_unfit_request_id(request)
+                .headers()
+                .get(headers::REQUEST_ID)
+                .map(|id| id.as_bytes().to_vec())
+        };
+        assert_eq!(kept(&[b"req-123 a/b=c"]), Some(b"req-123 a/b=c".to_vec()));
+        let longest = [b'a'; MAX_REQUEST_ID];
+        assert_eq!(kept(&[&longest]), Some(longest.to_vec()));
+        assert_eq!(kept(&[]), None);
+        assert_eq!(kept(&[&[b'a'; MAX_REQUEST_ID + 1]]), None);
+        assert_eq!(kept(&[b""]), None);
+        assert_eq!(kept(&[b"caf\xc3\xa9"]), None);
+        assert_eq!(kept(&[b"tab\there"]), None);
+        assert_eq!(kept(&[b"one", b"two"]), None);
+    }
 
     #[test]
     fn made_request_ids_are_distinct_v4_uuids() {
