@@ -9,6 +9,11 @@
 //! connection, but the wrapper owns the socket) and fails the read, which ends hyper's
 //! connection. An HTTP/2 connection has no request heads in this sense: once one is seen,
 //! only the idle timer applies.
+//!
+//! hyper answers a head it cannot parse (not HTTP, or past `MAX_HEAD_BYTES`) itself, before
+//! any service sees a request, with an empty body. The wrapper recognises that answer as it
+//! is written and writes a problem+json in its place, so that every error the gateway
+//! makes is one a client can read.
 
 use std::io;
 use std::pin::Pin;

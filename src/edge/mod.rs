@@ -4,7 +4,8 @@
 //!
 //! - `conn`: per-connection timers — the request head must arrive within
 //!   `request_header_timeout` (else 408 and close), an idle keep-alive connection is closed
-//!   after `idle_timeout`;
+//!   after `idle_timeout` — and the bound on a request head, with problem+json in place of
+//!   the empty answers hyper gives heads it cannot parse;
 //! - `budget`: `max_buffered_body_bytes` across all connections;
 //! - `clients`: the `[clients]` allow list, reloaded on SIGHUP;
 //! - this module: the tower stack every client request goes through.
