@@ -212,8 +212,10 @@ pub enum Cause {
     HeadTimeout,
     /// A request head that is not HTTP, answered by the connection before any route.
     MalformedHead,
+    /// More bytes than the connection takes, or more header fields than hyper parses.
     HeadTooLarge {
         limit: usize,
+        fields: usize,
     },
     UriTooLong,
     /// Too many requests in flight, or too many body bytes buffered.
@@ -362,9 +364,9 @@ impl From<Cause> for Problem {
                 K::BadRequest,
                 "the request head is not valid HTTP/1.1".into(),
             ),
-            Cause::HeadTooLarge { limit } => (
+            Cause::HeadTooLarge { limit, fields } => (
                 K::HeadTooLarge,
-                format!("the request head (request line and headers) is larger than {limit} bytes"),
+                format!("the request head (request line and headers) is larger than {limit} bytes or has more than {fields} header fields"),
             ),
             Cause::UriTooLong => (
                 K::UriTooLong,

@@ -211,11 +211,14 @@ async fn heads_hyper_cannot_take_get_problems_and_reach_no_one() {
         )
     };
 
-    // A head past 64 KiB, on a protected route and on a pass-through one.
+    // A head past 64 KiB, on a protected route and on a pass-through one; one of more
+    // fields than hyper parses.
     let big = format!("X-Padding: {}\r\n", "a".repeat(100 * 1024));
+    let many: String = (0..120).map(|i| format!("X-Field-{i}: {i}\r\n")).collect();
     for request in [
         keyed("big", &big),
         format!("GET /v1/models HTTP/1.1\r\nHost: x\r\n{big}\r\n"),
+        keyed("big", &many),
     ] {
         let answer = answer_on_its_own_connection(&gw, request.as_bytes()).await;
         assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");

@@ -212,6 +212,10 @@ impl ConnState {
 /// could turn into gigabytes held; Envoy's default is 60 KiB, nginx's 32 KiB.
 pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// The most header fields hyper parses in a request head (its default, kept): one more is
+/// answered as a head too large.
+const MAX_HEAD_FIELDS: usize = 100;
+
 /// An answer the connection writes itself, outside any request: a problem+json with a
 /// request id of its own (no request has one yet), then the connection closes.
 fn canned(cause: crate::error::Cause) -> Bytes {
@@ -256,6 +260,7 @@ fn hypers_own_answer(written: &[u8]) -> Option<crate::error::Cause> {
         414 if own => Some(Cause::UriTooLong),
         431 if own => Some(Cause::HeadTooLarge {
             limit: MAX_HEAD_BYTES,
+            fields: MAX_HEAD_FIELDS,
         }),
         _ => None,
     }
@@ -454,7 +459,8 @@ mod tests {
         assert!(matches!(
             cause(&own("431 Request Header Fields Too Large")),
             Some(Cause::HeadTooLarge {
-                limit: MAX_HEAD_BYTES
+                limit: MAX_HEAD_BYTES,
+                fields: MAX_HEAD_FIELDS
             })
         ));
         // Any other status, header or body is an answer that came through the services.
