@@ -473,14 +473,19 @@ async fn a_keyed_post_on_an_off_route_is_served_but_says_the_key_was_not_honoure
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_request_id_is_kept_only_when_fit_to_log_and_forward() {
-    // No id of the provider's own: the gateway's is the one the client gets back.
-    let provider = answering(
+/// A provider answering the completion fixture with no `X-Request-Id` of its own, so the
+/// id a client gets back is the gateway's.
+async fn answering_without_an_id() -> wiremock::MockServer {
+    answering(
         wiremock::ResponseTemplate::new(200)
             .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_request_id_is_kept_only_when_fit_to_log_and_forward() {
+    let provider = answering_without_an_id().await;
     let gw = TestGateway::start(&edge_config(&provider.uri(), "")).await;
     let long = "r".repeat(201);
     let mut sent_ids = Vec::new();
@@ -910,12 +915,7 @@ async fn a_panic_is_one_request_s_500_and_the_gateway_serves_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_is_one_access_log_line_with_its_id() {
-    // No id of the provider's own: the gateway's is the one the client gets back.
-    let provider = answering(
-        wiremock::ResponseTemplate::new(200)
-            .set_body_raw(fixture("openai-chat-completion.json"), "application/json"),
-    )
-    .await;
+    let provider = answering_without_an_id().await;
     let dir = tempfile::tempdir().unwrap();
     let (config, port, admin) =
         process_config(dir.path(), &provider.uri(), "[log]\nformat = \"json\"").await;
