@@ -289,6 +289,64 @@ async fn answered_once(server: &str) -> (TestGateway, wiremock::MockServer, TcpS
     (gw, provider, stream)
 }
 
+/// A connection to the gateway whose socket takes little before its client reads.
+async fn small_window_connection(gw: &TestGateway) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket
+        .connect(addr_of(&gw.base).parse().unwrap())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_nothing_of_its_answer_is_cut_off_after_idle_timeout() {
+    let _turn = HEAVY.lock().await;
+    const BODY: usize = 16 << 20;
+    let provider =
+        answering(wiremock::ResponseTemplate::new(200).set_body_bytes(vec![b'a'; BODY])).await;
+    let gw = TestGateway::start(&edge_config(&provider.uri(), "idle_timeout = \"1s\"")).await;
+    // A pass-through route: nothing is stored, the answer streams.
+    let request = b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+
+    // A client that reads along, at its own pace, gets its whole answer however much
+    // longer than idle_timeout that takes: the timer runs between writes, not over the answer.
+    let mut reader = TcpStream::connect(addr_of(&gw.base)).await.unwrap();
+    reader.write_all(request).await.unwrap();
+    let mut got = 0;
+    let mut buf = vec![0u8; 64 << 10];
+    let started = Instant::now();
+    while got < BODY {
+        // The client's pace under test: 64 KiB at most every 8 ms.
+        tokio::time::sleep(Duration::from_millis(8)).await;
+        let n = bounded("a read", reader.read(&mut buf)).await.unwrap();
+        assert!(n > 0, "the connection closed after {got} bytes");
+        got += n;
+    }
+    assert!(
+        started.elapsed() > Duration::from_millis(1500),
+        "the answer took less than idle_timeout to read: the test proves nothing"
+    );
+
+    // One that stops reading is cut off once its socket is full and idle_timeout passes.
+    let mut stalled = small_window_connection(&gw).await;
+    stalled.write_all(request).await.unwrap();
+    let stopped = Instant::now();
+    // The client's behaviour under test: reading nothing for a while.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (read, closed) = read_until_closed(&mut stalled, Duration::from_secs(10)).await;
+    let closed = closed.expect("the stalled connection is closed");
+    assert!(
+        read.len() < BODY,
+        "the whole answer arrived: the connection waited for its client"
+    );
+    assert!(
+        closed.duration_since(stopped) < Duration::from_secs(8),
+        "closed {:?} after the client stopped reading",
+        closed.duration_since(stopped)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_keep_alive_connection_is_closed_after_idle_timeout() {
     let (_gw, _provider, mut stream) = answered_once("idle_timeout = \"1s\"").await;

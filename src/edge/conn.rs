@@ -1,7 +1,10 @@
 //! Per-connection timers that hyper's HTTP/1 server does not give: a request head must
 //! arrive within `request_header_timeout` of the connection opening (or of its first byte
 //! after an idle keep-alive pause), else the client gets 408 `request-timeout` and the
-//! connection is closed; a keep-alive connection idle for `idle_timeout` is closed.
+//! connection is closed; a keep-alive connection idle for `idle_timeout` is closed, and so
+//! is one whose client reads nothing of its answer that long. That last is nginx's
+//! `send_timeout`: the time between two writes that go through. Without it, clients that
+//! stop reading would hold every connection slot for good.
 //!
 //! The connection's IO is wrapped ([`Watched`]) so the timers see bytes arrive, and the
 //! service marks when a request head was parsed and when its response body was done
@@ -45,6 +48,8 @@ enum Phase {
 enum Kill {
     HeadTimeout,
     Idle,
+    /// The client read nothing of its answers for `idle_timeout`.
+    Stalled,
 }
 
 #[derive(Debug)]
@@ -66,6 +71,9 @@ struct Inner {
     /// each (a notify, a poll, its timer taken out of the wheel and put back) was 4 % of a
     /// replay's instructions.
     wake_at: Option<Instant>,
+    /// Since when a write to the client has waited for room in its socket, the client
+    /// reading nothing meanwhile.
+    write_stalled_since: Option<Instant>,
 }
 
 impl Inner {
@@ -85,6 +93,7 @@ impl ConnState {
                 kill: None,
                 reader: None,
                 wake_at: None,
+                write_stalled_since: None,
             }),
             changed: Notify::new(),
             header_timeout,
@@ -128,7 +137,7 @@ impl ConnState {
             other => other,
         };
         let wake = self
-            .deadline(inner.phase)
+            .deadline(&inner)
             .is_some_and(|(at, _)| inner.sooner(at));
         drop(inner);
         if wake {
@@ -156,13 +165,40 @@ impl ConnState {
         matches!(self.lock().phase, Phase::Head { .. })
     }
 
-    /// When a connection in `phase` is closed, and why; `None` while requests are in flight.
-    fn deadline(&self, phase: Phase) -> Option<(Instant, Kill)> {
-        match phase {
+    /// A write to the client found its socket full: the client is not reading.
+    fn write_stalled(&self) {
+        let mut inner = self.lock();
+        if inner.write_stalled_since.is_none() {
+            let since = Instant::now();
+            inner.write_stalled_since = Some(since);
+            let wake = inner.sooner(since + self.idle_timeout);
+            drop(inner);
+            if wake {
+                self.changed.notify_one();
+            }
+        }
+    }
+
+    /// A write to the client went through after a stall.
+    fn write_moved(&self) {
+        self.lock().write_stalled_since = None;
+    }
+
+    /// When the connection is closed, and why; `None` while requests are in flight and
+    /// their answers are being read.
+    fn deadline(&self, inner: &Inner) -> Option<(Instant, Kill)> {
+        let phase = match inner.phase {
             Phase::Head { since } => Some((since + self.header_timeout, Kill::HeadTimeout)),
             Phase::Idle { since } => Some((since + self.idle_timeout, Kill::Idle)),
             Phase::H2 { n: 0, idle_since } => Some((idle_since + self.idle_timeout, Kill::Idle)),
             Phase::Busy { .. } | Phase::H2 { .. } => None,
+        };
+        let stalled = inner
+            .write_stalled_since
+            .map(|since| (since + self.idle_timeout, Kill::Stalled));
+        match (phase, stalled) {
+            (Some(phase), Some(stalled)) => Some(if stalled.0 < phase.0 { stalled } else { phase }),
+            (phase, stalled) => phase.or(stalled),
         }
     }
 
@@ -178,7 +214,7 @@ impl ConnState {
             let now = Instant::now();
             let (wake_at, kill) = {
                 let mut inner = self.lock();
-                let (at, kill) = match self.deadline(inner.phase) {
+                let (at, kill) = match self.deadline(&inner) {
                     Some((at, kill)) => (at, Some(kill)),
                     None => (now + self.header_timeout.min(self.idle_timeout), None),
                 };
@@ -278,6 +314,8 @@ pub(crate) struct Watched {
     replaced: bool,
     /// What is still to be written of the replacement.
     replacement: Bytes,
+    /// The last write to the client waited for room in its socket.
+    stalled: bool,
 }
 
 impl Watched {
@@ -288,6 +326,7 @@ impl Watched {
             answered: false,
             replaced: false,
             replacement: Bytes::new(),
+            stalled: false,
         }
     }
 
@@ -309,6 +348,22 @@ impl Watched {
         self.replaced = true;
         self.replacement = canned(cause);
         true
+    }
+
+    /// Tells the timers when writes to the client stop and start going through; only the
+    /// changes, so a connection whose client reads along takes no lock per write.
+    fn note_write<T>(&mut self, polled: &Poll<io::Result<T>>) {
+        match polled {
+            Poll::Pending if !self.stalled => {
+                self.stalled = true;
+                self.state.write_stalled();
+            }
+            Poll::Ready(_) if self.stalled => {
+                self.stalled = false;
+                self.state.write_moved();
+            }
+            _ => {}
+        }
     }
 
     /// Writes what is left of the replacement.
@@ -389,7 +444,9 @@ impl AsyncWrite for Watched {
             std::task::ready!(self.poll_replacement(cx))?;
             return Poll::Ready(Ok(buf.len()));
         }
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.note_write(&polled);
+        polled
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -418,7 +475,9 @@ impl AsyncWrite for Watched {
                 return Poll::Ready(Ok(only.len()));
             }
         }
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.note_write(&polled);
+        polled
     }
 
     fn is_write_vectored(&self) -> bool {
