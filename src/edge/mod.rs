@@ -24,9 +24,6 @@ use http::{Request, Response};
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder};
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::request_id::{
-    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
-};
 
 use crate::body::{Body, BoxError};
 use crate::error::{Cause, Problem, REQUEST_ID};
@@ -82,59 +79,45 @@ pub(crate) fn client_service(gateway: Arc<Gateway>) -> ClientService {
             // each layer above would otherwise copy it into its own future.
             Box::pin(async move { Ok::<_, Infallible>(gateway.handle(request).await) })
         });
-    let service = ServiceBuilder::new()
-        .map_request(drop_unfit_request_id)
-        // First, so that every answer — shed, timed out, panicked — carries an id: the
-        // client's own `X-Request-Id`, or a new one.
-        .layer(SetRequestIdLayer::x_request_id(MakeUuid))
-        // Echoes the id on every response, including the ones the layers below make.
-        .layer(PropagateRequestIdLayer::x_request_id())
-        // Sees the final status of everything below, so no request goes unlogged; it also
-        // makes the id known to every problem built while serving the request.
-        .service(AccessLog {
-            inner: BoxCloneService::new(limited),
-        });
-    BoxCloneService::new(service)
+    // Outermost, so that every answer — shed, timed out, panicked — carries the request's
+    // id, and no request goes unlogged.
+    BoxCloneService::new(AccessLog {
+        inner: BoxCloneService::new(limited),
+    })
 }
 
 /// The longest `X-Request-Id` taken from a client. The id goes into every access line and
 /// to the provider, so a client could otherwise make each line as long as a request head.
 const MAX_REQUEST_ID: usize = 200;
 
-/// Removes a client's `X-Request-Id` that is empty, longer than `MAX_REQUEST_ID`, not
-/// printable ASCII, or sent more than once, so that the request gets an id of its own
-/// instead (as Heroku's router does with the ids it will not take).
-fn drop_unfit_request_id<B>(mut request: Request<B>) -> Request<B> {
+/// The request's id (SPEC §11): the client's own `X-Request-Id` when it is one printable
+/// ASCII value of at most `MAX_REQUEST_ID` bytes, else a new one, which replaces it in the
+/// request so that the provider gets the same (as Heroku's router does with the ids it will
+/// not take). Looked up once, with no request or response extension: tower-http's pair of
+/// layers for this looked the header up three times and allocated both requests' and
+/// responses' extension maps.
+fn request_id<B>(request: &mut Request<B>) -> http::HeaderValue {
     let mut ids = request.headers().get_all(headers::REQUEST_ID).iter();
-    let fit = match (ids.next(), ids.next()) {
-        (None, _) => true,
-        (Some(id), None) => {
-            !id.is_empty()
-                && id.len() <= MAX_REQUEST_ID
-                && id.as_bytes().iter().all(|b| (b' '..=b'~').contains(b))
+    if let (Some(id), None) = (ids.next(), ids.next()) {
+        if !id.is_empty()
+            && id.len() <= MAX_REQUEST_ID
+            && id.as_bytes().iter().all(|b| (b' '..=b'~').contains(b))
+        {
+            return id.clone();
         }
-        (Some(_), Some(_)) => false,
-    };
-    if !fit {
-        request.headers_mut().remove(headers::REQUEST_ID);
     }
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut text);
+    let id = http::HeaderValue::from_str(text).expect("a UUID is a header value");
     request
+        .headers_mut()
+        .insert(headers::REQUEST_ID, id.clone());
+    id
 }
 
-/// A random (v4) UUID for a request that brings no id, written straight into its header
-/// value: tower-http's `MakeRequestUuid` formats it into a `String` first and parses that.
-#[derive(Clone, Copy)]
-struct MakeUuid;
-
-impl MakeRequestId for MakeUuid {
-    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
-        let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
-        let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut text);
-        http::HeaderValue::from_str(text).ok().map(RequestId::new)
-    }
-}
-
-/// One access-log line per request at info, with what an operator greps for.
+/// The request's id, taken or made, echoed on its answer and known to every problem built
+/// while serving it; then one access-log line per request at info, with what an operator
+/// greps for.
 #[derive(Clone)]
 struct AccessLog {
     inner: BoxCloneService<Request<Body>, Response<Body>, BoxError>,
@@ -153,22 +136,24 @@ impl Service<Request<Body>> for AccessLog {
         }
     }
 
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: Request<Body>) -> Self::Future {
         let started = tokio::time::Instant::now();
         let method = request.method().clone();
         // Clones that share the request's buffers: a copy of each was three allocations of
         // a replay's sixty.
         let uri = request.uri().clone();
-        let request_id = request
-            .headers()
-            .get(headers::REQUEST_ID)
-            .cloned()
-            .unwrap_or_else(|| http::HeaderValue::from_static(""));
+        let request_id = request_id(&mut request);
         let inner = self.inner.call(request);
         Box::pin(REQUEST_ID.scope(request_id.clone(), async move {
-            let response = inner
+            let mut response = inner
                 .await
                 .unwrap_or_else(|e| Problem::from(Cause::Internal(e.to_string())).into_response());
+            // A provider's own id, which its answer carries, is kept as the provider sent it.
+            if !response.headers().contains_key(headers::REQUEST_ID) {
+                response
+                    .headers_mut()
+                    .insert(headers::REQUEST_ID, request_id.clone());
+            }
             let info = response.extensions().get::<AccessInfo>();
             let header = |name| {
                 response
@@ -209,8 +194,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_fit_client_request_ids_are_kept() {
-        let kept = |ids: &[&[u8]]| {
+    fn only_fit_client_request_ids_are_kept_and_others_replaced() {
+        let taken = |ids: &[&[u8]]| {
             let mut request = Request::new(());
             for id in ids {
                 request.headers_mut().append(
@@ -218,41 +203,39 @@ mod tests {
                     http::HeaderValue::from_bytes(id).unwrap(),
                 );
             }
-            drop_unfit_request_id(request)
+            let id = request_id(&mut request);
+            // The request carries the id it is served under, once, for the provider.
+            let carried: Vec<_> = request
                 .headers()
-                .get(headers::REQUEST_ID)
-                .map(|id| id.as_bytes().to_vec())
+                .get_all(headers::REQUEST_ID)
+                .iter()
+                .collect();
+            assert_eq!(carried, [&id]);
+            id.as_bytes().to_vec()
         };
-        assert_eq!(kept(&[b"req-123 a/b=c"]), Some(b"req-123 a/b=c".to_vec()));
-        let longest = [b'a'; MAX_REQUEST_ID];
-        assert_eq!(kept(&[&longest]), Some(longest.to_vec()));
-        assert_eq!(kept(&[]), None);
-        assert_eq!(kept(&[&[b'a'; MAX_REQUEST_ID + 1]]), None);
-        assert_eq!(kept(&[b""]), None);
-        assert_eq!(kept(&[b"caf\xc3\xa9"]), None);
-        assert_eq!(kept(&[b"tab\there"]), None);
-        assert_eq!(kept(&[b"one", b"two"]), None);
-    }
-
-    #[test]
-    fn made_request_ids_are_distinct_v4_uuids() {
-        let request = Request::new(());
-        let mut make = MakeUuid;
-        let ids: Vec<String> = (0..2)
-            .map(|_| {
-                let id = make.make_request_id(&request).expect("an id");
-                id.header_value().to_str().unwrap().to_owned()
-            })
-            .collect();
-        assert_ne!(ids[0], ids[1]);
-        for id in &ids {
-            let parsed = uuid::Uuid::parse_str(id).expect("a UUID");
+        let made = |id: Vec<u8>| {
+            let id = String::from_utf8(id).unwrap();
+            let parsed = uuid::Uuid::parse_str(&id).expect("a UUID");
             assert_eq!(parsed.get_version_num(), 4);
             assert_eq!(
                 id,
-                &parsed.hyphenated().to_string(),
+                parsed.hyphenated().to_string(),
                 "lower-case, hyphenated"
             );
-        }
+            id
+        };
+        assert_eq!(taken(&[b"req-123 a/b=c"]), b"req-123 a/b=c");
+        let longest = [b'a'; MAX_REQUEST_ID];
+        assert_eq!(taken(&[&longest]), longest);
+        let refused: [&[&[u8]]; 6] = [
+            &[],
+            &[&[b'a'; MAX_REQUEST_ID + 1]],
+            &[b""],
+            &[b"caf\xc3\xa9"],
+            &[b"tab\there"],
+            &[b"one", b"two"],
+        ];
+        let ids: Vec<String> = refused.iter().map(|ids| made(taken(ids))).collect();
+        assert_ne!(ids[0], ids[1], "each made id is new");
     }
 }
