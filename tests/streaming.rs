@@ -413,25 +413,37 @@ async fn a_cut_streams_late_mirror_end_does_not_reach_its_retrys_followers() {
     let server = common::redis_server::RedisServer::start().await;
     let url = common::pg_server::shared().database().await;
     let streaming = faults::Faulty::scripted(redis_store(&server).await, &[]);
-    follows_a_retry_past_a_late_cut(streaming, redis_store(&server).await).await;
+    follows_a_retry_past_a_late(streaming, redis_store(&server).await, "end").await;
     let streaming = faults::Faulty::scripted(postgres_store(&url).await, &[]);
-    follows_a_retry_past_a_late_cut(streaming, postgres_store(&url).await).await;
+    follows_a_retry_past_a_late(streaming, postgres_store(&url).await, "end").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_streams_late_mirror_head_does_not_replace_its_retrys() {
+    let server = common::redis_server::RedisServer::start().await;
+    let url = common::pg_server::shared().database().await;
+    let streaming = faults::Faulty::scripted(redis_store(&server).await, &[]);
+    follows_a_retry_past_a_late(streaming, redis_store(&server).await, "head").await;
+    let streaming = faults::Faulty::scripted(postgres_store(&url).await, &[]);
+    follows_a_retry_past_a_late(streaming, postgres_store(&url).await, "head").await;
 }
 
 /// Gateway `a` (on `streaming`) relays a stream that is cut, then a retry's, whose head is
-/// mirrored before the cut one's end; a duplicate on gateway `b` follows the retry.
-async fn follows_a_retry_past_a_late_cut(
+/// mirrored before the cut one's `step` (its head: all of its mirror; or its end) lands; a
+/// duplicate on gateway `b` follows the retry.
+async fn follows_a_retry_past_a_late(
     streaming: Arc<faults::Faulty>,
     b: Arc<dyn idemgate::store::JobStore>,
+    step: &'static str,
 ) {
-    let late_end = streaming.hold_next_mirror_end();
+    let late = streaming.hold_next_mirror(step);
     let mut mirrored = streaming.watch_mirror();
     let (mut provider, a, b) = two_gateways(streaming, b).await;
     let key = "k-late-cut";
-    // The retry streams and its head is mirrored while the cut one's end is still on its way.
+    // The retry streams and its head is mirrored while the cut one's writes are on their way.
     let (upstream, retry) = cut_then_retried(&mut provider, &a, key).await;
     mirror_reached(&mut mirrored, ("head", 2)).await;
-    late_end.add_permits(1);
+    late.add_permits(1);
     mirror_reached(&mut mirrored, ("end", 1)).await;
     // A duplicate on the other gateway follows the retry, not the cut it came after.
     duplicate_follows_the_retry(&provider, &b, key, upstream, retry).await;

@@ -208,10 +208,12 @@ pub struct StreamHead {
 ///
 /// Chunks and ends name their attempt (`n`) and are dropped unless the mirror's head is that
 /// attempt's: a cut attempt's last writes can land after a retry's head (the job fails at
-/// the cut, before its mirror has written the cut), and must not become the retry's.
+/// the cut, before its mirror has written the cut), and must not become the retry's. So can
+/// its head, when its mirror started late.
 #[derive(Clone, Debug)]
 pub enum StreamUpdate {
-    /// A new attempt's stream: replaces whatever an earlier attempt mirrored.
+    /// A new attempt's stream: replaces whatever an earlier attempt mirrored, and is
+    /// dropped when the mirror is a later attempt's.
     Head(StreamHead),
     /// Chunks `from`, `from + 1`, … of attempt `n`'s stream; the ones the mirror already
     /// holds are not added again.

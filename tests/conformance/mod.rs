@@ -561,7 +561,8 @@ pub async fn unknown_jobs_are_not_found(store: Arc<dyn JobStore>) {
 
 /// A stream's mirror written as the relay writes it, with steps written again as after a
 /// lost reply: every chunk is held once, in order, a new attempt's head replaces the
-/// earlier attempt's chunks and end, and that attempt's writes landing after it are dropped.
+/// earlier attempt's chunks and end, and that attempt's writes landing after it, its head
+/// included, are dropped.
 /// Stores that serve one process do not mirror.
 pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStore>) {
     use crate::common::mirror::{chunks, end, head};
@@ -595,8 +596,9 @@ pub async fn a_mirror_written_again_holds_each_chunk_once(store: Arc<dyn JobStor
     assert!(retried.chunks.is_empty(), "{:?}", retried.chunks);
     assert_eq!(retried.end, None);
     store.mirror_stream(id, chunks(2, 0, &["x"])).await.unwrap();
-    // The cut attempt's last writes, landing late: its mirror is gone, they are dropped.
-    for late in [chunks(1, 4, &["e"]), end(1, Err("cut"))] {
+    // The cut attempt's last writes, landing late: its mirror is gone, they are dropped,
+    // and so is its head, should its mirror have started late too.
+    for late in [head(1), chunks(1, 4, &["e"]), end(1, Err("cut"))] {
         store.mirror_stream(id, late).await.unwrap();
     }
     let live = store.read_stream(id, 0).await.unwrap().expect("a mirror");

@@ -74,8 +74,9 @@ pub struct Faulty {
     claims: bool,
     /// Faults for the next writes of a stream's mirror, in order, apart from `plan`.
     mirror: Mutex<VecDeque<Option<Fault>>>,
-    /// The next mirrored end waits for a permit of this before it reaches the store.
-    held_end: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+    /// The next mirror write of this step waits for a permit of this before it reaches the
+    /// store.
+    held: Mutex<Option<(&'static str, Arc<tokio::sync::Semaphore>)>>,
     /// Told of every mirror write that reached the store: its step and its attempt.
     mirrored: Mutex<Option<tokio::sync::mpsc::UnboundedSender<(&'static str, u32)>>>,
     pub fired: Fired,
@@ -89,7 +90,7 @@ impl Faulty {
             plan: Mutex::new(Plan::Script(faults.iter().copied().collect())),
             claims: true,
             mirror: Mutex::default(),
-            held_end: Mutex::default(),
+            held: Mutex::default(),
             mirrored: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
@@ -114,7 +115,7 @@ impl Faulty {
             }),
             claims,
             mirror: Mutex::default(),
-            held_end: Mutex::default(),
+            held: Mutex::default(),
             mirrored: Mutex::default(),
             crash: Mutex::new(None),
             writes: AtomicU64::new(0),
@@ -127,11 +128,11 @@ impl Faulty {
         self.mirror.lock().unwrap().extend(faults.iter().copied());
     }
 
-    /// Holds the next mirrored end until the returned semaphore is given a permit, as a
-    /// write that lands late.
-    pub fn hold_next_mirror_end(&self) -> Arc<tokio::sync::Semaphore> {
+    /// Holds the next mirror write of `step` (`"head"`, `"chunks"` or `"end"`) until the
+    /// returned semaphore is given a permit, as a write that lands late.
+    pub fn hold_next_mirror(&self, step: &'static str) -> Arc<tokio::sync::Semaphore> {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        *self.held_end.lock().unwrap() = Some(gate.clone());
+        *self.held.lock().unwrap() = Some((step, gate.clone()));
         gate
     }
 
@@ -296,11 +297,15 @@ impl JobStore for Faulty {
             StreamUpdate::Chunks { n, .. } => ("chunks", *n),
             StreamUpdate::End { n, .. } => ("end", *n),
         };
-        if step.0 == "end" {
-            let held = self.held_end.lock().unwrap().take();
-            if let Some(gate) = held {
-                gate.acquire().await.expect("the gate stays open").forget();
+        let held = {
+            let mut held = self.held.lock().unwrap();
+            match &*held {
+                Some((held_step, _)) if *held_step == step.0 => held.take(),
+                _ => None,
             }
+        };
+        if let Some((_, gate)) = held {
+            gate.acquire().await.expect("the gate stays open").forget();
         }
         let fault = self.mirror.lock().unwrap().pop_front().flatten();
         let written = self.meet(fault, self.inner.mirror_stream(id, update)).await;

@@ -631,7 +631,9 @@ impl JobStore for PostgresStore {
         ) = match update {
             // A new attempt's stream replaces an earlier one's whole: head, end and chunks.
             // Two statements, so that the delete (a snapshot of its own) sees every chunk
-            // written before the head's row was locked.
+            // written before the head's row was locked. The head of an earlier attempt than
+            // the mirror's changes nothing: a cut attempt's mirror can start late, after its
+            // retry's.
             StreamUpdate::Head(head) => {
                 let attempt = i32::try_from(head.n).map_err(unavailable)?;
                 let transaction = client.transaction().await.map_err(unavailable)?;
@@ -639,14 +641,18 @@ impl JobStore for PostgresStore {
                     .prepare_cached(
                         "INSERT INTO stream_heads (job_id, head, attempt) VALUES ($1, $2, $3)
                          ON CONFLICT (job_id) DO UPDATE SET head = excluded.head,
-                             attempt = excluded.attempt, ended = NULL, updated_at = now()",
+                             attempt = excluded.attempt, ended = NULL, updated_at = now()
+                         WHERE stream_heads.attempt <= excluded.attempt",
                     )
                     .await
                     .map_err(unavailable)?;
-                transaction
+                let replaced = transaction
                     .execute(&upsert, &[&id, &encode(&head), &attempt])
                     .await
                     .map_err(unavailable)?;
+                if replaced == 0 {
+                    return transaction.commit().await.map_err(unavailable);
+                }
                 let clear = transaction
                     .prepare_cached("DELETE FROM stream_chunks WHERE job_id = $1")
                     .await

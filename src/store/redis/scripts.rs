@@ -93,8 +93,14 @@ return {1, tostring(rev)}
 
 /// A new attempt's mirrored stream (SPEC §5): KEYS head, chunks, end, attempt; ARGV the
 /// encoded head, its attempt number and the TTL in ms. The earlier attempt's chunks and end
-/// go in the same step, so no reader sees the new head with the old chunks.
+/// go in the same step, so no reader sees the new head with the old chunks. A head of an
+/// earlier attempt than the mirror's is dropped (returns 0): a cut attempt's mirror can
+/// start late, after its retry's.
 pub(super) const MIRROR_HEAD: &str = r#"
+local mirrored = redis.call('GET', KEYS[4])
+if mirrored and tonumber(mirrored) > tonumber(ARGV[2]) then
+  return 0
+end
 redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
