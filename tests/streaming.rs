@@ -410,22 +410,22 @@ async fn follows_across_mirror_faults(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_streams_late_mirror_end_does_not_reach_its_retrys_followers() {
-    let server = common::redis_server::RedisServer::start().await;
-    let url = common::pg_server::shared().database().await;
-    let streaming = faults::Faulty::scripted(redis_store(&server).await, &[]);
-    follows_a_retry_past_a_late(streaming, redis_store(&server).await, "end").await;
-    let streaming = faults::Faulty::scripted(postgres_store(&url).await, &[]);
-    follows_a_retry_past_a_late(streaming, postgres_store(&url).await, "end").await;
+    late_cut_on_redis_then_postgres("end").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_streams_late_mirror_head_does_not_replace_its_retrys() {
+    late_cut_on_redis_then_postgres("head").await;
+}
+
+/// [`follows_a_retry_past_a_late`] `step` on Redis, then on PostgreSQL.
+async fn late_cut_on_redis_then_postgres(step: &'static str) {
     let server = common::redis_server::RedisServer::start().await;
     let url = common::pg_server::shared().database().await;
     let streaming = faults::Faulty::scripted(redis_store(&server).await, &[]);
-    follows_a_retry_past_a_late(streaming, redis_store(&server).await, "head").await;
+    follows_a_retry_past_a_late(streaming, redis_store(&server).await, step).await;
     let streaming = faults::Faulty::scripted(postgres_store(&url).await, &[]);
-    follows_a_retry_past_a_late(streaming, postgres_store(&url).await, "head").await;
+    follows_a_retry_past_a_late(streaming, postgres_store(&url).await, step).await;
 }
 
 /// Gateway `a` (on `streaming`) relays a stream that is cut, then a retry's, whose head is

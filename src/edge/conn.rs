@@ -434,19 +434,34 @@ impl AsyncRead for Watched {
     }
 }
 
+impl Watched {
+    /// Writes with `write`, unless `only` (what is being written, when it is one slice) is
+    /// hyper's own answer: the replacement goes out in its place.
+    fn poll_write_with(
+        &mut self,
+        cx: &mut Context<'_>,
+        only: Option<&[u8]>,
+        write: impl FnOnce(Pin<&mut TcpStream>, &mut Context<'_>) -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        if let Some(only) = only {
+            if self.replaces(only) {
+                std::task::ready!(self.poll_replacement(cx))?;
+                return Poll::Ready(Ok(only.len()));
+            }
+        }
+        let polled = write(Pin::new(&mut self.stream), cx);
+        self.note_write(&polled);
+        polled
+    }
+}
+
 impl AsyncWrite for Watched {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        if self.replaces(buf) {
-            std::task::ready!(self.poll_replacement(cx))?;
-            return Poll::Ready(Ok(buf.len()));
-        }
-        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
-        self.note_write(&polled);
-        polled
+        self.poll_write_with(cx, Some(buf), |stream, cx| stream.poll_write(cx, buf))
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -469,15 +484,11 @@ impl AsyncWrite for Watched {
     ) -> Poll<io::Result<usize>> {
         // hyper's own answer is one head and no body: one slice.
         let mut written = bufs.iter().filter(|b| !b.is_empty());
-        if let (Some(only), None) = (written.next(), written.next()) {
-            if self.replaces(only) {
-                std::task::ready!(self.poll_replacement(cx))?;
-                return Poll::Ready(Ok(only.len()));
-            }
-        }
-        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
-        self.note_write(&polled);
-        polled
+        let only = match (written.next(), written.next()) {
+            (Some(only), None) => Some(&**only),
+            _ => None,
+        };
+        self.poll_write_with(cx, only, |stream, cx| stream.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
