@@ -136,9 +136,15 @@ impl ConnState {
             },
             other => other,
         };
-        let wake = self
-            .deadline(&inner)
-            .is_some_and(|(at, _)| inner.sooner(at));
+        if let Some((at, _)) = self.deadline(&inner) {
+            self.wake_by(inner, at);
+        }
+    }
+
+    /// Wakes the watcher, once `inner` is let go, if a deadline at `at` comes before its
+    /// next look.
+    fn wake_by(&self, inner: std::sync::MutexGuard<'_, Inner>, at: Instant) {
+        let wake = inner.sooner(at);
         drop(inner);
         if wake {
             self.changed.notify_one();
@@ -151,11 +157,7 @@ impl ConnState {
         if let Phase::Idle { .. } = inner.phase {
             let since = Instant::now();
             inner.phase = Phase::Head { since };
-            let wake = inner.sooner(since + self.header_timeout);
-            drop(inner);
-            if wake {
-                self.changed.notify_one();
-            }
+            self.wake_by(inner, since + self.header_timeout);
         }
     }
 
@@ -171,11 +173,7 @@ impl ConnState {
         if inner.write_stalled_since.is_none() {
             let since = Instant::now();
             inner.write_stalled_since = Some(since);
-            let wake = inner.sooner(since + self.idle_timeout);
-            drop(inner);
-            if wake {
-                self.changed.notify_one();
-            }
+            self.wake_by(inner, since + self.idle_timeout);
         }
     }
 
@@ -196,10 +194,8 @@ impl ConnState {
         let stalled = inner
             .write_stalled_since
             .map(|since| (since + self.idle_timeout, Kill::Stalled));
-        match (phase, stalled) {
-            (Some(phase), Some(stalled)) => Some(if stalled.0 < phase.0 { stalled } else { phase }),
-            (phase, stalled) => phase.or(stalled),
-        }
+        // The sooner of the two; the phase's on a tie.
+        phase.into_iter().chain(stalled).min_by_key(|(at, _)| *at)
     }
 
     /// Resolves when a timer fires; the connection is then being closed.
@@ -308,10 +304,9 @@ fn hypers_own_answer(written: &[u8]) -> Option<crate::error::Cause> {
 pub(crate) struct Watched {
     stream: TcpStream,
     state: Arc<ConnState>,
+    /// The connection answered the client itself (a 408, or in hyper's stead): anything
+    /// hyper writes after that is not sent.
     answered: bool,
-    /// hyper's own answer was seen and replaced: it and anything hyper writes after it are
-    /// not sent.
-    replaced: bool,
     /// What is still to be written of the replacement.
     replacement: Bytes,
     /// The last write to the client waited for room in its socket.
@@ -324,15 +319,14 @@ impl Watched {
             stream,
             state,
             answered: false,
-            replaced: false,
             replacement: Bytes::new(),
             stalled: false,
         }
     }
 
-    /// Whether `written` is to be replaced (or dropped, once a replacement was made).
+    /// Whether `written` is to be replaced, or dropped once the connection answered itself.
     fn replaces(&mut self, written: &[u8]) -> bool {
-        if self.replaced {
+        if self.answered {
             return true;
         }
         // Cheap tests first: this runs on every write of every answer.
@@ -345,7 +339,7 @@ impl Watched {
         let Some(cause) = hypers_own_answer(written) else {
             return false;
         };
-        self.replaced = true;
+        self.answered = true;
         self.replacement = canned(cause);
         true
     }
@@ -471,7 +465,7 @@ impl AsyncWrite for Watched {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         std::task::ready!(self.poll_replacement(cx))?;
-        if self.replaced {
+        if self.answered {
             self.read_away(cx);
         }
         Pin::new(&mut self.stream).poll_shutdown(cx)
