@@ -22,13 +22,23 @@ trap cleanup EXIT
 # A KVM guest's idle loop (cpuidle-haltpoll): with guest_halt_poll_ns at 0 an idle core halts
 # at once, and waking it takes the host's interrupt, which at one client is most of a
 # request's cost for any proxy (README, Benchmarks). HALT_POLL_NS=<ns> sets it for the run
-# and puts the old value back at the end; either way the run says what it was.
+# and puts the old value back at the end; either way the run says what it was. The setting
+# acts only while haltpoll is the cpuidle driver: a guest whose driver is `none` (seen on
+# guests that load the module but whose kernel idles with `hlt` itself) halts at once
+# whatever the parameter says.
+cpuidle_driver="$(cat /sys/devices/system/cpu/cpuidle/current_driver 2>/dev/null || echo none)"
 halt_poll_setting() {
-  if [[ -r "$halt_poll" ]]; then cat "$halt_poll"; else echo "none (no cpuidle-haltpoll)"; fi
+  if [[ "$cpuidle_driver" != haltpoll ]]; then
+    echo "none: cpuidle driver $cpuidle_driver, idle cores halt at once"
+  elif [[ -r "$halt_poll" ]]; then
+    echo "$(cat "$halt_poll") ns (cpuidle driver haltpoll)"
+  else
+    echo "none (no cpuidle-haltpoll)"
+  fi
 }
 if [[ -n "${HALT_POLL_NS:-}" ]]; then
-  if [[ ! -w "$halt_poll" ]]; then
-    echo "HALT_POLL_NS needs cpuidle-haltpoll and root: $halt_poll cannot be written" >&2
+  if [[ "$cpuidle_driver" != haltpoll || ! -w "$halt_poll" ]]; then
+    echo "HALT_POLL_NS needs the cpuidle-haltpoll driver (here: $cpuidle_driver) and root to write $halt_poll" >&2
     exit 2
   fi
   halt_poll_before="$(cat "$halt_poll")"

@@ -423,7 +423,7 @@ nginx_mean="$(printf '%s\n' "${rows[@]}" | awk -F'|' '
     cpu += $2; p99 += $4; cpu1 += $9; sys1 += $11; p50 += $5; n++
   }
   END { printf "%s|%s|%s|%s|%s", cpu / n, p99 / n, cpu1 / n, sys1 / n, p50 / n }')"
-echo "guest_halt_poll_ns of this host for the run: $(halt_poll_setting)"
+echo "idle-core polling (guest_halt_poll_ns) for the run: $(halt_poll_setting)"
 awk -F'|' -v direct="${rows[0]}" -v nginx="$nginx_mean" '
 BEGIN {
   split(direct, d, "|"); split(nginx, n, "|")
