@@ -20,7 +20,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -175,10 +175,11 @@ impl Floor {
             self.jobs.lock().expect("jobs").remove(&identity);
             return status(StatusCode::BAD_GATEWAY);
         };
-        // Copied, as the gateway does: kept as they are, the connection's read buffers
-        // would stay pinned by every stored answer.
+        // Copied, as the gateway does: kept as they are, the body and every header value
+        // (a slice of the same buffer) would pin the connection's read buffer, several KB
+        // for each stored answer.
         let body = Bytes::copy_from_slice(&body);
-        answered.send_replace(Some((parts.status, parts.headers.clone(), body.clone())));
+        answered.send_replace(Some((parts.status, owned(&parts.headers), body.clone())));
         Response::from_parts(parts, full(body))
     }
 
@@ -192,6 +193,18 @@ impl Floor {
             .await
             .ok()
     }
+}
+
+/// The headers with values of their own, none of them sharing a connection's buffer.
+fn owned(headers: &HeaderMap) -> HeaderMap {
+    let mut copy = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        let mut value_copy =
+            HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
+        value_copy.set_sensitive(value.is_sensitive());
+        copy.append(name.clone(), value_copy);
+    }
+    copy
 }
 
 fn full(bytes: Bytes) -> Body {
