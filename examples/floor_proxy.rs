@@ -197,14 +197,13 @@ impl Floor {
 
 /// The headers with values of their own, none of them sharing a connection's buffer.
 fn owned(headers: &HeaderMap) -> HeaderMap {
-    let mut copy = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        let mut value_copy =
-            HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
-        value_copy.set_sensitive(value.is_sensitive());
-        copy.append(name.clone(), value_copy);
-    }
-    copy
+    headers
+        .iter()
+        .map(|(name, value)| {
+            let value = HeaderValue::from_bytes(value.as_bytes()).expect("a valid value stays so");
+            (name.clone(), value)
+        })
+        .collect()
 }
 
 fn full(bytes: Bytes) -> Body {
