@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use crate::body::{self, Body};
 use crate::engine::Engine;
-use crate::error::{Cause, Problem};
+use crate::error::{Cause, Problem, REQUEST_ID};
 use crate::job::{Attempt, JobRecord, Rejection, Transition};
 use crate::store::StoreError;
 
@@ -32,11 +32,22 @@ impl Admin {
         }
     }
 
-    pub async fn handle(self: Arc<Self>, request: Request<Body>) -> Response<Body> {
-        match self.serve(request).await {
-            Ok(response) => response,
-            Err(problem) => problem.into_response(),
-        }
+    /// Serves one admin request. Its answers carry a request id as the client listener's
+    /// do (SPEC §11), so an operator's call can be named in a report like any other.
+    pub async fn handle(self: Arc<Self>, mut request: Request<Body>) -> Response<Body> {
+        let id = crate::edge::request_id(&mut request);
+        let mut response = REQUEST_ID
+            .scope(id.clone(), async {
+                match self.serve(request).await {
+                    Ok(response) => response,
+                    Err(problem) => problem.into_response(),
+                }
+            })
+            .await;
+        response
+            .headers_mut()
+            .insert(crate::headers::REQUEST_ID, id);
+        response
     }
 
     async fn serve(&self, request: Request<Body>) -> Result<Response<Body>, Problem> {

@@ -1055,12 +1055,24 @@ async fn admin_api_needs_its_token() {
     };
     assert_eq!(get("/healthz", None).await.status, 200);
     assert_eq!(get("/readyz", None).await.status, 200);
-    get("/jobs/job_x", None)
-        .await
-        .assert_problem(401, "unauthorized");
+    let refused = get("/jobs/job_x", None).await;
+    refused.assert_problem(401, "unauthorized");
+    // Named by a request id like every answer the gateway makes itself.
+    let id = refused.header("x-request-id").expect("a request id");
+    assert_eq!(refused.json()["request_id"], id);
     get("/jobs/job_x", Some("Bearer wrong"))
         .await
         .assert_problem(401, "unauthorized");
+    let named = send(
+        &c,
+        Method::GET,
+        &format!("{}/jobs/job_x", gw.admin),
+        &[("x-request-id", "ops-1")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(named.header("x-request-id"), Some("ops-1"));
+    assert_eq!(named.json()["request_id"], "ops-1");
     let missing = gw.admin_get("/jobs/job_x").await;
     assert_eq!(missing.status, 404);
 

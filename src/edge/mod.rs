@@ -96,7 +96,7 @@ const MAX_REQUEST_ID: usize = 200;
 /// not take). Looked up once, with no request or response extension: tower-http's pair of
 /// layers for this looked the header up three times and allocated both requests' and
 /// responses' extension maps.
-fn request_id<B>(request: &mut Request<B>) -> http::HeaderValue {
+pub(crate) fn request_id<B>(request: &mut Request<B>) -> http::HeaderValue {
     let mut ids = request.headers().get_all(headers::REQUEST_ID).iter();
     if let (Some(id), None) = (ids.next(), ids.next()) {
         if !id.is_empty()
