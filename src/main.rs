@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 /// in its own bookkeeping (consolidation, unlinking, growing a thread's heap with
 /// `mprotect`) in the in-process profile of `benches/overhead.sh`. Through its plain
 /// functions where a layout allows ([`idemgate::alloc`]).
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: idemgate::alloc::Allocator = idemgate::alloc::Allocator;
 
