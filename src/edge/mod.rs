@@ -14,6 +14,7 @@ pub mod budget;
 pub mod clients;
 pub(crate) mod conn;
 
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -27,7 +28,7 @@ use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::body::{Body, BoxError};
 use crate::error::{Cause, Problem, REQUEST_ID};
-use crate::gateway::{AccessInfo, Gateway};
+use crate::gateway::{Gateway, ACCESS};
 use crate::headers;
 
 /// The service every client request goes through, outermost layer first.
@@ -149,7 +150,8 @@ where
         let uri = request.uri().clone();
         let request_id = request_id(&mut request);
         let inner = self.inner.call(request);
-        Box::pin(REQUEST_ID.scope(request_id.clone(), async move {
+        let scoped = request_id.clone();
+        let served = async move {
             let mut response = inner
                 .await
                 .unwrap_or_else(|e| Problem::from(Cause::Internal(e.to_string())).into_response());
@@ -159,7 +161,8 @@ where
                     .headers_mut()
                     .insert(headers::REQUEST_ID, request_id.clone());
             }
-            let info = response.extensions().get::<AccessInfo>();
+            let info = ACCESS.with(RefCell::take);
+            let info = info.as_ref();
             let header = |name| {
                 response
                     .headers()
@@ -190,7 +193,8 @@ where
             }
             .log();
             Ok(response)
-        }))
+        };
+        Box::pin(REQUEST_ID.scope(scoped, ACCESS.scope(RefCell::new(None), served)))
     }
 }
 
