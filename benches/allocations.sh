@@ -20,6 +20,10 @@ cd "$(dirname "$0")/.."
 source benches/common.sh
 
 STORE="${STORE:-memory}"
+case "$STORE" in
+  memory|embedded) ;;
+  *) echo "STORE is memory or embedded" >&2; exit 2 ;;
+esac
 SHORT="${SHORT:-2}"
 LONG="${LONG:-6}"
 TOP="${TOP:-25}"
@@ -36,39 +40,22 @@ provider_bin="$target_dir/release/examples/mock_provider"
 
 export BODY_FILE="${BODY_FILE:-$PWD/tests/fixtures/openai-chat-request.json}"
 
-provider_port="$(free_port)"
-"$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
-pids+=($!)
-wait_port "$provider_port"
+start_provider "$provider_bin"
 
 # run MODE SECONDS OUT: one gateway under DHAT, one load; prints "requests blocks".
 run() {
-  local mode="$1" seconds="$2" out="$3" port table gw result
+  local mode="$1" seconds="$2" out="$3" port gw requests
   port="$(free_port)"
-  case "$STORE" in
-    memory) table='kind = "memory"' ;;
-    embedded) table="kind = \"embedded\"
-path = \"$work/dh-$RANDOM.db\"" ;;
-    *) echo "STORE is memory or embedded" >&2; exit 2 ;;
-  esac
-  gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
+  gateway_config "$port" "$provider_port" "$(store_table "$STORE")" >"$work/gw.toml"
   RUST_LOG=warn taskset -c "${GATEWAY_CORE:-1}" valgrind --tool=dhat --dhat-out-file="$out" \
     "$gateway_bin" --config "$work/gw.toml" >"$work/gw.log" 2>&1 &
   gw=$!
   wait_port "$port"
-  result="$(KEY_MODE="$mode" KEY_PREFIX="dh$RANDOM$RANDOM" \
-    wrk -t1 -c4 -d"${seconds}s" -s benches/wrk.lua "http://127.0.0.1:$port/v1/chat/completions" |
-    grep '^RESULT')"
+  requests="$(counted_load "$mode" "$seconds" "$port")" || requests=""
   # SIGINT: the gateway stops as it does on Ctrl-C, and DHAT writes its file at exit.
   kill -INT "$gw"
   wait "$gw" 2>/dev/null || true
-  local requests errors
-  requests="$(sed -n 's/.* requests=\([0-9]*\).*/\1/p' <<<"$result")"
-  errors="$(sed -n 's/.* errors=\([0-9]*\).*/\1/p' <<<"$result")"
-  if [[ "$errors" != 0 ]]; then
-    echo "$errors requests failed: $result" >&2
-    exit 1
-  fi
+  [[ -n "$requests" ]] || exit 1
   echo "$requests $(sed -n 's/.*Total: .* in \([0-9,]*\) blocks.*/\1/p' "$work/gw.log" | tr -d ,)"
 }
 

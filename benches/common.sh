@@ -76,3 +76,39 @@ path_prefix = "/v1"
 providers = ["p"]
 CONF
 }
+
+# start_provider BIN: the mock provider (examples/mock_provider.rs) on a free port, left in
+# $provider_port.
+start_provider() {
+  provider_port="$(free_port)"
+  "$1" "127.0.0.1:$provider_port" >/dev/null &
+  pids+=($!)
+  wait_port "$provider_port"
+}
+
+# store_table STORE: the [store] table's lines of a gateway on STORE: memory, embedded (a
+# file in $work) or redis (the redis-server at $redis_port, a key prefix of its own).
+store_table() {
+  case "$1" in
+    memory) echo 'kind = "memory"' ;;
+    embedded) printf 'kind = "embedded"\npath = "%s"\n' "$work/store-$RANDOM.db" ;;
+    redis) printf 'kind = "redis"\nurl = "redis://127.0.0.1:%s"\nkey_prefix = "s%s"\n' \
+      "$redis_port" "$RANDOM" ;;
+    *) echo "no store $1" >&2; return 2 ;;
+  esac
+}
+
+# counted_load MODE SECONDS PORT: the load of the counting benches (instructions.sh,
+# allocations.sh) on the chat route at PORT, one wrk thread and CONNS (4) connections, fresh
+# or fixed keys; prints how many requests it made, or fails when any of them failed.
+counted_load() {
+  local result errors
+  result="$(KEY_MODE="$1" KEY_PREFIX="c$RANDOM$RANDOM" wrk -t1 -c"${CONNS:-4}" -d"$2s" \
+    -s benches/wrk.lua "http://127.0.0.1:$3/v1/chat/completions" | grep '^RESULT')"
+  errors="$(sed -n 's/.* errors=\([0-9]*\).*/\1/p' <<<"$result")"
+  if [[ "$errors" != 0 ]]; then
+    echo "$errors requests failed: $result" >&2
+    return 1
+  fi
+  sed -n 's/.* requests=\([0-9]*\).*/\1/p' <<<"$result"
+}

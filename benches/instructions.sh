@@ -24,6 +24,10 @@ cd "$(dirname "$0")/.."
 source benches/common.sh
 
 STORE="${STORE:-memory}"
+case "$STORE" in
+  memory|embedded|redis|floor) ;;
+  *) echo "STORE is memory, embedded, redis or floor" >&2; exit 2 ;;
+esac
 SHORT="${SHORT:-2}"
 LONG="${LONG:-8}"
 
@@ -50,28 +54,15 @@ if [[ "$STORE" == redis ]]; then
   wait_port "$redis_port"
 fi
 
-provider_port="$(free_port)"
-"$provider_bin" "127.0.0.1:$provider_port" >/dev/null &
-pids+=($!)
-wait_port "$provider_port"
+start_provider "$provider_bin"
 
 # run MODE SECONDS OUT: one gateway under callgrind, one load; prints "requests instructions".
 run() {
-  local mode="$1" seconds="$2" out="$3" port table gw result
+  local mode="$1" seconds="$2" out="$3" port gw requests
   port="$(free_port)"
-  case "$STORE" in
-    memory) table='kind = "memory"' ;;
-    embedded) table="kind = \"embedded\"
-path = \"$work/ir-$RANDOM.db\"" ;;
-    redis) table="kind = \"redis\"
-url = \"redis://127.0.0.1:$redis_port\"
-key_prefix = \"ir$RANDOM\"" ;;
-    floor) ;;
-    *) echo "STORE is memory, embedded, redis or floor" >&2; exit 2 ;;
-  esac
   local command=("$floor_bin" "127.0.0.1:$port" "127.0.0.1:$provider_port" idempotent)
   if [[ "$STORE" != floor ]]; then
-    gateway_config "$port" "$provider_port" "$table" >"$work/gw.toml"
+    gateway_config "$port" "$provider_port" "$(store_table "$STORE")" >"$work/gw.toml"
     command=("$gateway_bin" --config "$work/gw.toml")
   fi
   # On one core, as benches/overhead.sh pins it: the gateway then runs tokio's one-thread
@@ -80,18 +71,10 @@ key_prefix = \"ir$RANDOM\"" ;;
     "${command[@]}" >"$work/gw.log" 2>&1 &
   gw=$!
   wait_port "$port"
-  result="$(KEY_MODE="$mode" KEY_PREFIX="ir$RANDOM$RANDOM" \
-    wrk -t1 -c"${CONNS:-4}" -d"${seconds}s" -s benches/wrk.lua "http://127.0.0.1:$port/v1/chat/completions" |
-    grep '^RESULT')"
+  requests="$(counted_load "$mode" "$seconds" "$port")" || requests=""
   kill "$gw"
   wait "$gw" 2>/dev/null || true
-  local requests errors
-  requests="$(sed -n 's/.* requests=\([0-9]*\).*/\1/p' <<<"$result")"
-  errors="$(sed -n 's/.* errors=\([0-9]*\).*/\1/p' <<<"$result")"
-  if [[ "$errors" != 0 ]]; then
-    echo "$errors requests failed: $result" >&2
-    exit 1
-  fi
+  [[ -n "$requests" ]] || exit 1
   echo "$requests $(awk '/^(summary|totals):/{print $2; exit}' "$out")"
 }
 
