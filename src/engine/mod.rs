@@ -327,7 +327,7 @@ impl Engine {
             }
         }
         let fingerprint = self.fingerprint(&request);
-        match self.store.peek(&identity, now, &fingerprint) {
+        match self.store.peek(&identity, &owner, &key, now, &fingerprint) {
             Some(Peeked::Settled(settled)) => {
                 tracing::Span::current().record("job_id", settled.job_id.as_str());
                 let digest = digest.unwrap_or_else(|| request_digest(&request));

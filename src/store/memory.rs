@@ -316,7 +316,14 @@ impl JobStore for MemoryStore {
         Ok(Claim::Created(record))
     }
 
-    fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
+    fn peek(
+        &self,
+        identity: &[u8; 32],
+        _owner: &str,
+        _key: &str,
+        now: SystemTime,
+        fingerprint: &str,
+    ) -> Option<Peeked> {
         let state = self.lock();
         let (_, live) = state.live(identity, now)?;
         Some(Peeked::of(live, fingerprint, now))
@@ -515,7 +522,7 @@ mod tests {
     async fn peek_finds_only_the_live_job_of_the_same_owner_and_key() {
         let store = MemoryStore::new(POLICY);
         let now = crate::clock::now();
-        let peek = |owner, key, at| store.peek(&identity(owner, key), at, "fp");
+        let peek = |owner, key, at| store.peek(&identity(owner, key), owner, key, at, "fp");
         assert!(peek("owner", "key-1", now).is_none());
         store.claim(record(1, now), now).await.unwrap();
         let Some(Peeked::Record(found)) = peek("owner", "key-1", now) else {
@@ -558,7 +565,7 @@ mod tests {
         };
         store.apply("job_000003", complete, now).await.unwrap();
         let key = identity("owner", "key-3");
-        let Some(Peeked::Settled(settled)) = store.peek(&key, now, "fp") else {
+        let Some(Peeked::Settled(settled)) = store.peek(&key, "owner", "key-3", now, "fp") else {
             panic!("the answer of a succeeded job");
         };
         assert_eq!(
@@ -570,7 +577,9 @@ mod tests {
             ("job_000003", 1, "primary")
         );
         assert_eq!(settled.response, answer);
-        let Some(Peeked::Record(other)) = store.peek(&key, now, "another payload") else {
+        let Some(Peeked::Record(other)) =
+            store.peek(&key, "owner", "key-3", now, "another payload")
+        else {
             panic!("the record, for a conflict");
         };
         assert_eq!(other.job.state, JobState::Succeeded);

@@ -85,6 +85,17 @@ impl Peeked {
             _ => Self::Record(live.clone()),
         }
     }
+
+    /// As [`Peeked::of`], for a record the store read out for the peek.
+    pub fn of_owned(live: JobRecord, fingerprint: &str, now: SystemTime) -> Self {
+        match live.classify(fingerprint, now) {
+            Found::Replay => match live.settled() {
+                Some(settled) => Self::Settled(settled),
+                None => Self::Record(live),
+            },
+            _ => Self::Record(live),
+        }
+    }
 }
 
 #[async_trait]
@@ -101,8 +112,16 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     ///
     /// A succeeded job of the same `fingerprint` comes as its [`Settled`] answer, taken in
     /// place: a replay needs nothing else, and a copy of the whole record was most of the
-    /// allocations of a replay.
-    fn peek(&self, _identity: &[u8; 32], _now: SystemTime, _fingerprint: &str) -> Option<Peeked> {
+    /// allocations of a replay. `owner` and `key` are what `identity` digests, for a store
+    /// that files its claims by them.
+    fn peek(
+        &self,
+        _identity: &[u8; 32],
+        _owner: &str,
+        _key: &str,
+        _now: SystemTime,
+        _fingerprint: &str,
+    ) -> Option<Peeked> {
         None
     }
 

@@ -44,8 +44,15 @@ impl JobStore for Timed {
             .await
     }
 
-    fn peek(&self, identity: &[u8; 32], now: SystemTime, fingerprint: &str) -> Option<Peeked> {
-        self.inner.peek(identity, now, fingerprint)
+    fn peek(
+        &self,
+        identity: &[u8; 32],
+        owner: &str,
+        key: &str,
+        now: SystemTime,
+        fingerprint: &str,
+    ) -> Option<Peeked> {
+        self.inner.peek(identity, owner, key, now, fingerprint)
     }
 
     fn peek_repeat(&self, identity: &[u8; 32], now: SystemTime) -> Option<([u8; 32], Settled)> {

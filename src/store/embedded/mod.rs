@@ -73,7 +73,7 @@ use self::journal::Journal;
 use self::overlay::Overlay;
 use self::tables::Tables;
 use self::writer::{Change, Op, Writer};
-use super::{decode, encode, encode_into, Applied, Changes, Claim, JobStore, StoreError};
+use super::{decode, encode, encode_into, Applied, Changes, Claim, JobStore, Peeked, StoreError};
 use crate::job::{ExpiryPolicy, JobId, JobRecord, JobState, Transition};
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("job_rows");
@@ -652,6 +652,21 @@ impl JobStore for EmbeddedStore {
             reply,
         })
         .await
+    }
+
+    /// The claim's own read, without the job a claim is handed: a replay or a duplicate is
+    /// answered without minting a job id and a first attempt only for the claim to drop
+    /// them. A read that fails is left to the claim to report.
+    fn peek(
+        &self,
+        _identity: &[u8; 32],
+        owner: &str,
+        key: &str,
+        now: SystemTime,
+        fingerprint: &str,
+    ) -> Option<Peeked> {
+        let live = self.read_claim(&ClaimKey::new(owner, key), now).ok()??;
+        Some(Peeked::of_owned(live, fingerprint, now))
     }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
@@ -1303,6 +1318,59 @@ mod tests {
         // The job's id carries its claim, and the stale entry is gone.
         let filed = txn.open_table(CLAIM_ROWS).unwrap();
         assert_eq!(filed.iter().unwrap().count(), 0);
+    }
+
+    /// A peek reads what a claim would find: the live job of the same owner and key, as its
+    /// answer to a request of the same fingerprint and whole to any other, and nothing once
+    /// it has expired (the next claim's to replace).
+    #[tokio::test]
+    async fn a_peek_finds_what_a_claim_would() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let store = EmbeddedStore::open(&dir.path().join("peek.db"), POLICY).unwrap();
+        let now = crate::clock::now();
+        let identity = crate::job::claim_digest_bytes("owner", "key");
+        let peek = |owner, key, at, fingerprint| store.peek(&identity, owner, key, at, fingerprint);
+        assert!(peek("owner", "key", now, "fp").is_none());
+        let Claim::Created(record) = store.claim(fresh("owner", "key", now), now).await.unwrap()
+        else {
+            panic!("a new job");
+        };
+        let id = record.job.id.clone();
+        let Some(Peeked::Record(found)) = peek("owner", "key", now, "fp") else {
+            panic!("the job in progress, whole");
+        };
+        assert_eq!(found.job.id, id);
+        assert!(peek("other", "key", now, "fp").is_none(), "another owner");
+        assert!(peek("owner", "other", now, "fp").is_none(), "another key");
+
+        let start = Transition::StartAttempt {
+            version: record.job.version,
+            n: 1,
+            provider: "p".into(),
+        };
+        store.apply(&id, start, now).await.unwrap();
+        let answer = StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())].into(),
+            body: "{\"ok\":true}".into(),
+            body_omitted: false,
+        };
+        let complete = Transition::Complete {
+            n: 1,
+            response: answer.clone(),
+        };
+        store.apply(&id, complete, now).await.unwrap();
+        let Some(Peeked::Settled(settled)) = peek("owner", "key", now, "fp") else {
+            panic!("the answer of a succeeded job");
+        };
+        assert_eq!((settled.job_id.as_str(), settled.n), (id.as_str(), 1));
+        assert_eq!(settled.response, answer);
+        let Some(Peeked::Record(other)) = peek("owner", "key", now, "another payload") else {
+            panic!("the record, for a conflict");
+        };
+        assert_eq!(other.job.state, JobState::Succeeded);
+        let later = other.job.expires_at + Duration::from_secs(1);
+        assert!(peek("owner", "key", later, "fp").is_none());
     }
 
     #[tokio::test]
