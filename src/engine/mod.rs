@@ -330,9 +330,9 @@ impl Engine {
         match self.store.peek(&identity, &owner, &key, now, &fingerprint) {
             Some(Peeked::Settled(settled)) => {
                 tracing::Span::current().record("job_id", settled.job_id.as_str());
-                let digest = digest.unwrap_or_else(|| request_digest(&request));
+                let digest = || digest.unwrap_or_else(|| request_digest(&request));
                 self.store
-                    .remember_repeat(&identity, &settled.job_id, digest);
+                    .remember_repeat(&identity, &settled.job_id, &digest);
                 return replayed(settled);
             }
             Some(Peeked::Record(record)) => {

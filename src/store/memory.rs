@@ -339,7 +339,8 @@ impl JobStore for MemoryStore {
         Some((repeat, settled))
     }
 
-    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
+    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: &dyn Fn() -> [u8; 32]) {
+        let repeat = repeat();
         let mut state = self.lock();
         if let Some(claimed) = state.by_key.get_mut(identity) {
             if &*claimed.id == job_id {
@@ -594,7 +595,7 @@ mod tests {
         let now = crate::clock::now();
         let key = identity("owner", "key-4");
         store.claim(record(4, now), now).await.unwrap();
-        store.remember_repeat(&key, "job_000004", [7; 32]);
+        store.remember_repeat(&key, "job_000004", &|| [7; 32]);
         assert!(
             store.peek_repeat(&key, now).is_none(),
             "an in-progress job has no answer to repeat"
@@ -628,7 +629,7 @@ mod tests {
                 .is_some_and(|h| std::sync::Arc::ptr_eq(&h, &head)),
             "every replay of the job shares its headers"
         );
-        store.remember_repeat(&key, "job_999999", [8; 32]);
+        store.remember_repeat(&key, "job_999999", &|| [8; 32]);
         assert_eq!(
             store.peek_repeat(&key, now).map(|(r, _)| r),
             Some([7; 32]),

@@ -135,9 +135,11 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     }
 
     /// Notes that `job_id`, the job of `identity`, was replayed for a request of digest
-    /// `repeat`, for [`JobStore::peek_repeat`]. Nothing is noted if `identity` names another
+    /// `repeat()`, for [`JobStore::peek_repeat`]. Nothing is noted if `identity` names another
     /// job by now: a digest vouches only for the job whose fingerprint it was checked against.
-    fn remember_repeat(&self, _identity: &[u8; 32], _job_id: &str, _repeat: [u8; 32]) {}
+    /// The digest is asked for only by a store that keeps it: it hashes the whole request.
+    fn remember_repeat(&self, _identity: &[u8; 32], _job_id: &str, _repeat: &dyn Fn() -> [u8; 32]) {
+    }
 
     async fn get(&self, id: &str) -> Result<Option<JobRecord>, StoreError>;
 

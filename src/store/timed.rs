@@ -59,7 +59,7 @@ impl JobStore for Timed {
         self.inner.peek_repeat(identity, now)
     }
 
-    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: [u8; 32]) {
+    fn remember_repeat(&self, identity: &[u8; 32], job_id: &str, repeat: &dyn Fn() -> [u8; 32]) {
         self.inner.remember_repeat(identity, job_id, repeat);
     }
 

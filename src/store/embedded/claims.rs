@@ -34,13 +34,19 @@ pub(super) struct ClaimKey {
 
 impl ClaimKey {
     pub(super) fn new(owner: &str, key: &str) -> Self {
+        Self::with_identity(owner, key, &crate::job::claim_digest_bytes(owner, key))
+    }
+
+    /// As [`ClaimKey::new`], with the hash taken from `identity`, which is
+    /// `job::claim_digest_bytes(owner, key)` already computed: the hash is its first 8 bytes.
+    pub(super) fn with_identity(owner: &str, key: &str, identity: &[u8; 32]) -> Self {
         let mut bytes = Vec::with_capacity(owner.len() + 1 + key.len());
         bytes.extend_from_slice(owner.as_bytes());
         bytes.push(0);
         bytes.extend_from_slice(key.as_bytes());
         Self {
             bytes,
-            hash: hash_of(owner, key),
+            hash: u64::from_be_bytes(identity[..8].try_into().expect("a digest has 8 bytes")),
         }
     }
 
@@ -329,6 +335,16 @@ mod tests {
         assert!(index.candidates(hash).is_empty());
         assert_eq!(index.len(), 0);
         assert!(index.holders.is_empty());
+    }
+
+    #[test]
+    fn a_claim_key_from_the_engine_s_identity_is_the_key_itself() {
+        let identity = crate::job::claim_digest_bytes("owner", "key");
+        assert_eq!(
+            ClaimKey::with_identity("owner", "key", &identity),
+            ClaimKey::new("owner", "key")
+        );
+        assert_eq!(ClaimKey::new("owner", "key").hash, hash_of("owner", "key"));
     }
 
     #[test]

@@ -659,13 +659,14 @@ impl JobStore for EmbeddedStore {
     /// them. A read that fails is left to the claim to report.
     fn peek(
         &self,
-        _identity: &[u8; 32],
+        identity: &[u8; 32],
         owner: &str,
         key: &str,
         now: SystemTime,
         fingerprint: &str,
     ) -> Option<Peeked> {
-        let live = self.read_claim(&ClaimKey::new(owner, key), now).ok()??;
+        let claim = ClaimKey::with_identity(owner, key, identity);
+        let live = self.read_claim(&claim, now).ok()??;
         Some(Peeked::of_owned(live, fingerprint, now))
     }
 
