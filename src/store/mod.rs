@@ -78,22 +78,20 @@ pub enum Peeked {
 impl Peeked {
     /// What a peek at `live` gives a request of `fingerprint`.
     pub fn of(live: &JobRecord, fingerprint: &str, now: SystemTime) -> Self {
-        match live.classify(fingerprint, now) {
-            Found::Replay => live
-                .settled()
-                .map_or_else(|| Self::Record(live.clone()), Self::Settled),
-            _ => Self::Record(live.clone()),
-        }
+        Self::replay_of(live, fingerprint, now)
+            .map_or_else(|| Self::Record(live.clone()), Self::Settled)
     }
 
     /// As [`Peeked::of`], for a record the store read out for the peek.
     pub fn of_owned(live: JobRecord, fingerprint: &str, now: SystemTime) -> Self {
+        Self::replay_of(&live, fingerprint, now).map_or(Self::Record(live), Self::Settled)
+    }
+
+    /// The answer a request of `fingerprint` is replayed, if `live` is one to replay.
+    fn replay_of(live: &JobRecord, fingerprint: &str, now: SystemTime) -> Option<Settled> {
         match live.classify(fingerprint, now) {
-            Found::Replay => match live.settled() {
-                Some(settled) => Self::Settled(settled),
-                None => Self::Record(live),
-            },
-            _ => Self::Record(live),
+            Found::Replay => live.settled(),
+            _ => None,
         }
     }
 }

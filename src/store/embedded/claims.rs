@@ -46,7 +46,7 @@ impl ClaimKey {
         bytes.extend_from_slice(key.as_bytes());
         Self {
             bytes,
-            hash: u64::from_be_bytes(identity[..8].try_into().expect("a digest has 8 bytes")),
+            hash: hash_in(identity),
         }
     }
 
@@ -106,7 +106,11 @@ fn lower_hex(text: &str, len: usize) -> bool {
 
 /// The hash a claim is filed under: SHA-256(owner NUL key)'s first 8 bytes.
 pub(super) fn hash_of(owner: &str, key: &str) -> u64 {
-    let digest = crate::job::claim_digest_bytes(owner, key);
+    hash_in(&crate::job::claim_digest_bytes(owner, key))
+}
+
+/// The hash a claim is filed under, out of its (owner, key)'s `claim_digest_bytes`.
+fn hash_in(digest: &[u8; 32]) -> u64 {
     u64::from_be_bytes(digest[..8].try_into().expect("a digest has 8 bytes"))
 }
 
