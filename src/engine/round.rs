@@ -5,7 +5,7 @@
 //! compare-and-swap, a failure, an `unknown` — then reports to the round. That is what lets
 //! an attempt outlive its round: after a timeout the round answers `outcome-unknown` and
 //! ends, while the attempt keeps waiting for its late answer (up to `late_result_window`)
-//! and settles the job through the same compare-and-swap when it lands.//!
+//! and settles the job through the same compare-and-swap when it lands.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
