@@ -365,6 +365,11 @@ impl Metrics {
         self.panics.inc();
     }
 
+    #[cfg(test)]
+    pub(crate) fn panics(&self) -> u64 {
+        self.panics.get()
+    }
+
     pub fn lease_expired(&self) {
         self.leases_expired.inc();
     }

@@ -1,16 +1,25 @@
 //! One round of attempts at a job (SPEC §4): primary, failover, timeout, hedge, late answers.
 //!
 //! A round runs in its own task, so a client that hangs up does not abandon the job half
-//! way. Each attempt also runs in its own task and settles *itself* in the store — a win by
-//! compare-and-swap, a failure, an `unknown` — then reports to the round. That is what lets
-//! an attempt outlive its round: after a timeout the round answers `outcome-unknown` and
-//! ends, while the attempt keeps waiting for its late answer (up to `late_result_window`)
-//! and settles the job through the same compare-and-swap when it lands.
+//! way. Each attempt settles *itself* in the store — a win by compare-and-swap, a failure,
+//! an `unknown` — then reports to the round. That is what lets an attempt outlive its
+//! round: after a timeout the round answers `outcome-unknown` and ends, while the attempt
+//! keeps waiting for its late answer (up to `late_result_window`) and settles the job
+//! through the same compare-and-swap when it lands.
+//!
+//! One attempt at a time is polled by the round's own task ([`Inline`]), the others run in
+//! tasks of their own: most jobs have exactly one attempt, and its task was a spawn, two
+//! boxes and a wake-up across tasks per new job. An inline attempt the round ends without
+//! is handed to a task of its own then, so it outlives the round as a spawned one does.
 
 use std::collections::BTreeMap;
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use sync_wrapper::SyncWrapper;
 use tokio::sync::mpsc;
 use tokio::time::{sleep_until, Instant};
 use tracing::{debug, info, warn};
@@ -75,10 +84,54 @@ struct Live {
     deadline: Option<Instant>,
     first_byte: bool,
     timed_out: bool,
-    /// The attempt's task, dropped (its call with it) when no late answer may be awaited.
-    task: tokio::task::AbortHandle,
+    /// The attempt's task, dropped (its call with it) when no late answer may be awaited;
+    /// `None` for the attempt the round polls itself ([`Round::inline`]).
+    task: Option<tokio::task::AbortHandle>,
     /// Held by the attempt's task while it runs; counts it once it waits for a late answer.
     late: Arc<super::LateSlot>,
+}
+
+/// An attempt polled by its round's task rather than spawned. Dropped while its call still
+/// runs — the round ended, or was dropped — it is handed to a task of its own, as if it had
+/// been spawned; [`Inline::cancel`] drops the call instead.
+struct Inline {
+    n: u32,
+    /// Only ever reached through `&mut`: a round shares itself across its awaits, and a
+    /// call need not be `Sync`.
+    call: Option<SyncWrapper<Pin<Box<dyn Future<Output = ()> + Send>>>>,
+    engine: Arc<Engine>,
+}
+
+impl Inline {
+    /// Taken out while it is polled: a call that panics is dropped as the round unwinds,
+    /// never handed to a task to be polled again.
+    fn poll_call(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(mut call) = self.call.take() else {
+            return Poll::Ready(());
+        };
+        let polled = call.get_mut().as_mut().poll(cx);
+        if polled.is_pending() {
+            self.call = Some(call);
+        }
+        polled
+    }
+
+    /// Ends the call without a late answer.
+    fn cancel(mut self) {
+        self.call = None;
+    }
+}
+
+impl Drop for Inline {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        // Outside a runtime (one shutting down drops its tasks) nothing could poll it.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            drop(self.engine.spawn(call.into_inner()));
+        }
+    }
 }
 
 struct Round {
@@ -92,6 +145,8 @@ struct Round {
     /// Ordinals of keyless attempts, which have no store to count them.
     local_n: u32,
     live: BTreeMap<u32, Live>,
+    /// The attempt this task polls, if one of `live` is.
+    inline: Option<Inline>,
     last_failure: Option<(StoredResponse, u32, String)>,
     /// The provider whose attempt failed last, and the `Retry-After` it asked for: a retry
     /// of that same provider waits for it.
@@ -122,6 +177,7 @@ pub(super) async fn run_round(
         cursor: 0,
         local_n: 0,
         live: BTreeMap::new(),
+        inline: None,
         last_failure: None,
         last_failed: None,
         retries: 0,
@@ -155,6 +211,10 @@ pub(super) async fn run_round(
                     }
                 }
             },
+            // The call reports through `rx` before it ends.
+            () = poll_fn(|cx| poll_inline(&mut round.inline, cx)), if round.inline.is_some() => {
+                round.inline = None;
+            }
             _ = sleep_until(timeout_at.unwrap_or_else(far_future)), if timeout_at.is_some() => {
                 if let Err(end) = round.on_timeouts().await {
                     return end;
@@ -192,6 +252,13 @@ fn retry_after(headers: &crate::job::Headers) -> Option<Duration> {
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(crate::clock::now()).unwrap_or_default())
+}
+
+/// Polls the round's inline attempt; pending while there is none.
+fn poll_inline(inline: &mut Option<Inline>, cx: &mut Context<'_>) -> Poll<()> {
+    inline
+        .as_mut()
+        .map_or(Poll::Pending, |inline| inline.poll_call(cx))
 }
 
 fn far_future() -> Instant {
@@ -289,13 +356,23 @@ impl Round {
         let span = tracing::debug_span!("attempt", job_id = self.job_id(), attempt = n, provider = %provider.name);
         let late = self.engine.late_slot();
         let held = late.clone();
-        let task = self.engine.spawn(tracing::Instrument::instrument(
+        let call = tracing::Instrument::instrument(
             async move {
                 let _held = held;
                 attempt.run().await;
             },
             span,
-        ));
+        );
+        let task = if self.inline.is_none() {
+            self.inline = Some(Inline {
+                n,
+                call: Some(SyncWrapper::new(Box::pin(call))),
+                engine: self.engine.clone(),
+            });
+            None
+        } else {
+            Some(self.engine.spawn(call).abort_handle())
+        };
         self.live.insert(
             n,
             Live {
@@ -305,7 +382,7 @@ impl Round {
                 deadline: Some(now + provider.timeout),
                 first_byte: false,
                 timed_out: false,
-                task: task.abort_handle(),
+                task,
                 late,
             },
         );
@@ -436,7 +513,14 @@ impl Round {
                         "attempt timed out; its outcome is unknown and its call is kept for a late answer");
                 } else {
                     // Memory stays bounded: the attempt stays unknown for an operator.
-                    live.task.abort();
+                    match &live.task {
+                        Some(task) => task.abort(),
+                        None => {
+                            if let Some(inline) = self.inline.take_if(|i| i.n == n) {
+                                inline.cancel();
+                            }
+                        }
+                    }
                     self.engine.metrics.late_result_dropped();
                     warn!(job_id, attempt = n, provider = %live.provider,
                         "attempt timed out; late_result_max calls already wait for late answers, so this one is dropped and the job stays unknown");

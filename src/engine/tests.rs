@@ -49,6 +49,7 @@ impl Transport for Scripted {
         let script = self.scripts[index];
         Box::pin(async move {
             tokio::time::sleep(script.after).await;
+            assert_ne!(script.status, PANICS, "the scripted provider panics");
             let mut response = Response::new(body::full(format!("{{\"from\":{index}}}")));
             *response.status_mut() = http::StatusCode::from_u16(script.status).unwrap();
             response
@@ -60,8 +61,17 @@ impl Transport for Scripted {
 }
 
 fn engine(route_extra: &str, scripts: Vec<Script>) -> (Arc<Engine>, Arc<Scripted>) {
+    engine_with("", route_extra, scripts)
+}
+
+/// An engine whose `[idempotency]` table also holds `idempotency_extra`.
+fn engine_with(
+    idempotency_extra: &str,
+    route_extra: &str,
+    scripts: Vec<Script>,
+) -> (Arc<Engine>, Arc<Scripted>) {
     let text = format!(
-        "[store]\nkind = \"memory\"\n[idempotency]\nowner = \"anonymous\"\n\
+        "[store]\nkind = \"memory\"\n[idempotency]\nowner = \"anonymous\"\n{idempotency_extra}\n\
          [[providers]]\nname = \"primary\"\nbase_url = \"http://primary\"\ntimeout = \"2s\"\n\
          [[providers]]\nname = \"fallback\"\nbase_url = \"http://fallback\"\ntimeout = \"2s\"\n\
          [[routes]]\nname = \"chat\"\npath_prefix = \"/v1\"\nproviders = [\"primary\", \"fallback\"]\n{route_extra}\n"
@@ -114,6 +124,9 @@ async fn attempts(engine: &Engine, id: &str) -> (JobState, Vec<AttemptState>) {
     let states = record.attempts.iter().map(|a| a.state).collect();
     (record.job.state, states)
 }
+
+/// A [`Script`] status whose call panics instead of answering.
+const PANICS: u16 = 0;
 
 const fn script(status: u16, millis: u64) -> Script {
     Script {
@@ -169,6 +182,56 @@ async fn a_timeout_is_unknown_blocks_attempts_and_its_late_answer_settles_the_jo
     let (replayed_id, n, replayed) = answered(&submit(&engine, "k").await);
     assert_eq!((replayed_id, n, replayed), (id, 1, true));
     assert_eq!(providers.calls(), [1, 0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_call_beyond_late_result_max_is_dropped_and_its_job_stays_unknown() {
+    let (engine, providers) = engine_with(
+        "late_result_max = 1",
+        "",
+        vec![script(200, 5_000), script(200, 100)],
+    );
+    let mut ids = Vec::new();
+    for key in ["kept", "dropped"] {
+        match submit(&engine, key).await {
+            Outcome::Refused {
+                job_id: Some(id),
+                cause: Cause::TimedOut,
+            } => ids.push(id),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+    assert_eq!(providers.calls(), [2, 0]);
+    assert_eq!(engine.late_results_waiting(), 1);
+    // Both late answers would have landed by now; only the kept call was there to take one.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        attempts(&engine, &ids[0]).await,
+        (JobState::Succeeded, vec![AttemptState::Succeeded])
+    );
+    assert_eq!(
+        attempts(&engine, &ids[1]).await,
+        (JobState::Unknown, vec![AttemptState::Unknown])
+    );
+    assert_eq!(engine.late_results_waiting(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_panics_ends_its_request_as_internal_and_is_counted() {
+    let (engine, providers) = engine("", vec![script(PANICS, 100), script(200, 100)]);
+    let outcome = submit(&engine, "k").await;
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Refused {
+                job_id: Some(_),
+                cause: Cause::Internal(_),
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(providers.calls(), [1, 0]);
+    assert_eq!(engine.metrics().panics(), 1);
 }
 
 #[tokio::test(start_paused = true)]
