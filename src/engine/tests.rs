@@ -219,19 +219,21 @@ async fn a_timed_out_call_beyond_late_result_max_is_dropped_and_its_job_stays_un
 #[tokio::test(start_paused = true)]
 async fn an_attempt_that_panics_ends_its_request_as_internal_and_is_counted() {
     let (engine, providers) = engine("", vec![script(PANICS, 100), script(200, 100)]);
-    let outcome = submit(&engine, "k").await;
-    assert!(
-        matches!(
-            outcome,
-            Outcome::Refused {
-                job_id: Some(_),
-                cause: Cause::Internal(_),
-            }
-        ),
-        "{outcome:?}"
-    );
+    let id = match submit(&engine, "k").await {
+        Outcome::Refused {
+            job_id: Some(id),
+            cause: Cause::Internal(_),
+        } => id,
+        other => panic!("expected an internal error, got {other:?}"),
+    };
     assert_eq!(providers.calls(), [1, 0]);
     assert_eq!(engine.metrics().panics(), 1);
+    // Nothing settled it: the job waits for its lease to lapse, when the sweep makes it
+    // `unknown` for an operator, and no other provider was called in its place.
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (JobState::InProgress, vec![AttemptState::Started])
+    );
 }
 
 #[tokio::test(start_paused = true)]
