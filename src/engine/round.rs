@@ -254,6 +254,18 @@ fn retry_after(headers: &crate::job::Headers) -> Option<Duration> {
     Some(at.duration_since(crate::clock::now()).unwrap_or_default())
 }
 
+/// Ends attempt `n`'s call without a late answer: its task, or the round's inline call.
+fn drop_call(n: u32, task: &Option<tokio::task::AbortHandle>, inline: &mut Option<Inline>) {
+    match task {
+        Some(task) => task.abort(),
+        None => {
+            if let Some(call) = inline.take_if(|i| i.n == n) {
+                call.cancel();
+            }
+        }
+    }
+}
+
 /// Polls the round's inline attempt; pending while there is none.
 fn poll_inline(inline: &mut Option<Inline>, cx: &mut Context<'_>) -> Poll<()> {
     inline
@@ -513,14 +525,7 @@ impl Round {
                         "attempt timed out; its outcome is unknown and its call is kept for a late answer");
                 } else {
                     // Memory stays bounded: the attempt stays unknown for an operator.
-                    match &live.task {
-                        Some(task) => task.abort(),
-                        None => {
-                            if let Some(inline) = self.inline.take_if(|i| i.n == n) {
-                                inline.cancel();
-                            }
-                        }
-                    }
+                    drop_call(n, &live.task, &mut self.inline);
                     self.engine.metrics.late_result_dropped();
                     warn!(job_id, attempt = n, provider = %live.provider,
                         "attempt timed out; late_result_max calls already wait for late answers, so this one is dropped and the job stays unknown");
