@@ -408,7 +408,7 @@ impl Engine {
             None
         };
         let started = tokio::time::Instant::now();
-        let claimed = self.store.claim(record, now).await;
+        let claimed = self.store.claim_identified(identity, record, now).await;
         self.metrics.store("claim", started.elapsed());
         claimed.map(|claim| (claim, first_attempt))
     }

@@ -71,7 +71,7 @@ pub fn claim_digest(owner: &str, key: &str) -> String {
     hex_of(&claim_digest_bytes(owner, key))
 }
 
-pub(crate) fn claim_digest_bytes(owner: &str, key: &str) -> [u8; 32] {
+pub fn claim_digest_bytes(owner: &str, key: &str) -> [u8; 32] {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     hasher.update(owner.as_bytes());

@@ -302,6 +302,17 @@ async fn sweep(state: Weak<Mutex<State>>, every: Duration) {
 impl JobStore for MemoryStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
         let index = identity(&record.job.owner, &record.job.key);
+        self.claim_identified(&index, record, now).await
+    }
+
+    async fn claim_identified(
+        &self,
+        index: &[u8; 32],
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        debug_assert_eq!(*index, identity(&record.job.owner, &record.job.key));
+        let index = *index;
         let mut state = self.lock();
         if let Some(id) = state.by_key.get(&index).map(|c| c.id.clone()) {
             let existing = state.jobs.get(&id).map(|r| &**r);

@@ -102,6 +102,18 @@ pub trait JobStore: Send + Sync + Debug + 'static {
     /// them, in one atomic step. An expired job is replaced.
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError>;
 
+    /// [`JobStore::claim`] for a caller that holds the identity of the record's (owner, key)
+    /// (`job::claim_digest_bytes`) already, as the engine does from its peek: a store that
+    /// files its claims by that digest does not hash them again.
+    async fn claim_identified(
+        &self,
+        _identity: &[u8; 32],
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        self.claim(record, now).await
+    }
+
     /// The live job of an (owner, key), named by its identity (`job::claim_digest_bytes`),
     /// where the store can read it in memory, without a round trip or a transaction: lets a
     /// retry skip minting a new job (a fresh id, its first attempt) only for its claim to

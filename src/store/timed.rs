@@ -44,6 +44,19 @@ impl JobStore for Timed {
             .await
     }
 
+    async fn claim_identified(
+        &self,
+        identity: &[u8; 32],
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        self.bounded(
+            self.limit,
+            self.inner.claim_identified(identity, record, now),
+        )
+        .await
+    }
+
     fn peek(
         &self,
         identity: &[u8; 32],

@@ -132,6 +132,37 @@ pub async fn claim_creates_once_then_returns_the_job(store: Arc<dyn JobStore>) {
     let got = store.get(&first.job.id).await.unwrap().unwrap();
     assert_eq!(got.job.key, "k");
     assert!(store.get("job_missing").await.unwrap().is_none());
+
+    // A claim made with the identity the caller holds is filed where a plain claim looks,
+    // and the other way round.
+    let identity = idemgate::job::claim_digest_bytes("owner-a", "k");
+    match store
+        .claim_identified(&identity, record("owner-a", "k"), idemgate::clock::now())
+        .await
+        .unwrap()
+    {
+        Claim::Existing(r) => assert_eq!(r.job.id, first.job.id),
+        Claim::Created(_) => panic!("a claim by identity must find the job a claim made"),
+    }
+    let identity = idemgate::job::claim_digest_bytes("owner-a", "k2");
+    let by_identity = match store
+        .claim_identified(&identity, record("owner-a", "k2"), idemgate::clock::now())
+        .await
+        .unwrap()
+    {
+        Claim::Created(r) => r,
+        Claim::Existing(r) => panic!("expected a new job, found {}", r.job.id),
+    };
+    let found = store.find("owner-a", "k2").await.unwrap();
+    assert_eq!(found.map(|r| r.job.id), Some(by_identity.job.id.clone()));
+    match store
+        .claim(record("owner-a", "k2"), idemgate::clock::now())
+        .await
+        .unwrap()
+    {
+        Claim::Existing(r) => assert_eq!(r.job.id, by_identity.job.id),
+        Claim::Created(_) => panic!("a claim must find the job a claim by identity made"),
+    }
 }
 
 pub async fn owners_and_keys_never_meet(store: Arc<dyn JobStore>) {

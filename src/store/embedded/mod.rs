@@ -636,12 +636,16 @@ async fn sweep_due(
     }
 }
 
-#[async_trait]
-impl JobStore for EmbeddedStore {
-    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
-        // A key that names a live job needs no write: answer from a read, so replays and
-        // duplicates never queue behind the writer or pay for a sync.
-        let key = ClaimKey::of(&record);
+impl EmbeddedStore {
+    /// A claim of `record` filed under `key`. A key that names a live job needs no write:
+    /// answer from a read, so replays and duplicates never queue behind the writer or pay
+    /// for a sync.
+    async fn claim_keyed(
+        &self,
+        key: ClaimKey,
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
         if let Some(existing) = self.read_claim(&key, now)? {
             return Ok(Claim::Existing(existing));
         }
@@ -652,6 +656,25 @@ impl JobStore for EmbeddedStore {
             reply,
         })
         .await
+    }
+}
+
+#[async_trait]
+impl JobStore for EmbeddedStore {
+    async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let key = ClaimKey::of(&record);
+        self.claim_keyed(key, record, now).await
+    }
+
+    async fn claim_identified(
+        &self,
+        identity: &[u8; 32],
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        let key = ClaimKey::with_identity(&record.job.owner, &record.job.key, identity);
+        debug_assert_eq!(key, ClaimKey::of(&record));
+        self.claim_keyed(key, record, now).await
     }
 
     /// The claim's own read, without the job a claim is handed: a replay or a duplicate is

@@ -68,8 +68,8 @@ mod scripts;
 
 use crate::config::StoreConfig;
 use crate::job::{
-    claim_digest, shard_tag, ClaimRule, ExpiryPolicy, JobId, JobRecord, JobState, StoredResponse,
-    Transition,
+    claim_digest, claim_digest_bytes, hex_of, shard_tag, ClaimRule, ExpiryPolicy, JobId, JobRecord,
+    JobState, StoredResponse, Transition,
 };
 
 /// How long one command may take before the store counts as unavailable.
@@ -476,11 +476,25 @@ impl Keys {
 #[async_trait]
 impl JobStore for RedisStore {
     async fn claim(&self, record: JobRecord, now: SystemTime) -> Result<Claim, StoreError> {
+        let identity = claim_digest_bytes(&record.job.owner, &record.job.key);
+        self.claim_identified(&identity, record, now).await
+    }
+
+    async fn claim_identified(
+        &self,
+        identity: &[u8; 32],
+        record: JobRecord,
+        now: SystemTime,
+    ) -> Result<Claim, StoreError> {
+        debug_assert_eq!(
+            *identity,
+            claim_digest_bytes(&record.job.owner, &record.job.key)
+        );
         let id = record.job.id.clone();
         let tag = shard_tag(&id)
             .ok_or_else(|| unavailable(format!("job id {id} carries no shard tag")))?;
         let keys = self.keys(tag);
-        let claim_key = keys.claim(&claim_digest(&record.job.owner, &record.job.key));
+        let claim_key = keys.claim(&hex_of(identity));
         let blob = encode(&record);
         let ttl = Self::ttl_ms(&record, now);
         let lease = millis(record.job.lease_until);
