@@ -320,15 +320,38 @@ pub(super) enum Answer {
 /// `Database::create`, with redb's assertions on a truncated file turned into an error: its
 /// checks run before it writes anything, so the file is left as it was.
 fn create(path: &Path) -> Result<Database, String> {
-    let quiet = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let opened = std::panic::catch_unwind(|| Database::create(path));
-    std::panic::set_hook(quiet);
+    let opened = quietly(|| Database::create(path));
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err("the file is truncated or damaged".into()),
     }
+}
+
+std::thread_local! {
+    /// Set while this thread runs [`quietly`].
+    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, catching a panic of it without the panic hook's report. The hook is the
+/// process's: swapped for a silent one around `f`, it silenced every other thread's panics
+/// meanwhile, and two threads doing so at once could leave the silent one in place for
+/// good (each restoring what it took, the second one's being the first one's silent hook).
+/// So the hook is wrapped once, and the wrapper stays silent only on a thread inside `f`.
+fn quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static WRAPPED: std::sync::Once = std::sync::Once::new();
+    WRAPPED.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(std::cell::Cell::get) {
+                report(info);
+            }
+        }));
+    });
+    QUIET.with(|quiet| quiet.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET.with(|quiet| quiet.set(false));
+    result
 }
 
 impl Drop for EmbeddedStore {
