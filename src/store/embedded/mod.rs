@@ -334,10 +334,10 @@ std::thread_local! {
 }
 
 /// Runs `f`, catching a panic of it without the panic hook's report. The hook is the
-/// process's: swapped for a silent one around `f`, it silenced every other thread's panics
-/// meanwhile, and two threads doing so at once could leave the silent one in place for
-/// good (each restoring what it took, the second one's being the first one's silent hook).
-/// So the hook is wrapped once, and the wrapper stays silent only on a thread inside `f`.
+/// process's: a silent one swapped in around `f` would silence every other thread's panics
+/// meanwhile, and two threads doing so at once could leave it in place for good (each puts
+/// back what it took, and the second took the first one's silent hook). So the hook is
+/// wrapped once, and the wrapper is silent only on a thread inside `f`.
 fn quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
     static WRAPPED: std::sync::Once = std::sync::Once::new();
     WRAPPED.call_once(|| {
