@@ -54,8 +54,9 @@ fn spawn(port: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
         .expect("redis-server is installed (.ci/run installs it)")
 }
 
-/// Waits (bounded) until the server at `port` answers `PING`.
-async fn wait_ready(port: u16) {
+/// Waits (bounded) until the server at `port` answers `PING`; `false` when it exited
+/// instead, as it does when a port it was given is no longer free.
+async fn wait_ready(child: &mut Child, port: u16) -> bool {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
     loop {
@@ -65,8 +66,11 @@ async fn wait_ready(port: u16) {
                 .await
                 .is_ok()
             {
-                return;
+                return true;
             }
+        }
+        if child.try_wait().unwrap().is_some() {
+            return false;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -74,6 +78,31 @@ async fn wait_ready(port: u16) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Starts a server on a port the kernel just handed out, and a Cluster node's bus on
+/// another (`cluster-port`: by default the bus is the port + 10 000, which nothing
+/// reserved, and which does not exist above 55 535). Between a port's choice and the
+/// server's bind, another test's socket may take it, and the server exits: then new ports
+/// are tried, a bounded number of times.
+async fn start_on_free_ports(dir: &std::path::Path, extra: &[&str], cluster: bool) -> (Child, u16) {
+    for _ in 0..5 {
+        let port = closed_port().await.port();
+        let bus = if cluster {
+            Some(closed_port().await.port().to_string())
+        } else {
+            None
+        };
+        let mut args = extra.to_vec();
+        if let Some(bus) = &bus {
+            args.extend(["--cluster-port", bus.as_str()]);
+        }
+        let mut child = spawn(port, dir, &args);
+        if wait_ready(&mut child, port).await {
+            return (child, port);
+        }
+    }
+    panic!("redis-server exited on start five times: its ports were taken each time");
 }
 
 impl RedisServer {
@@ -88,10 +117,8 @@ impl RedisServer {
     }
 
     async fn start_with(extra: &[&'static str]) -> Self {
-        let port = closed_port().await.port();
         let dir = tempfile::tempdir().unwrap();
-        let child = spawn(port, dir.path(), extra);
-        wait_ready(port).await;
+        let (child, port) = start_on_free_ports(dir.path(), extra, false).await;
         Self {
             child: Some(child),
             port,
@@ -126,8 +153,13 @@ impl RedisServer {
     /// Starts the server again on the same port.
     pub async fn restart(&mut self) {
         self.stop();
-        self.child = Some(spawn(self.port, self.dir.path(), &self.extra));
-        wait_ready(self.port).await;
+        let mut child = spawn(self.port, self.dir.path(), &self.extra);
+        assert!(
+            wait_ready(&mut child, self.port).await,
+            "redis-server did not start again on {}",
+            self.port
+        );
+        self.child = Some(child);
     }
 
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
@@ -148,11 +180,9 @@ impl RedisCluster {
     pub async fn start() -> Self {
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            let port = closed_port().await.port();
             let dir = tempfile::tempdir().unwrap();
             let conf = dir.path().join("nodes.conf");
-            let child = spawn(
-                port,
+            let (child, port) = start_on_free_ports(
                 dir.path(),
                 &[
                     "--cluster-enabled",
@@ -162,8 +192,9 @@ impl RedisCluster {
                     "--cluster-node-timeout",
                     "2000",
                 ],
-            );
-            wait_ready(port).await;
+                true,
+            )
+            .await;
             nodes.push(RedisServer {
                 child: Some(child),
                 port,
