@@ -88,13 +88,10 @@ async fn wait_ready(child: &mut Child, port: u16) -> bool {
 async fn start_on_free_ports(dir: &std::path::Path, extra: &[&str], cluster: bool) -> (Child, u16) {
     for _ in 0..5 {
         let port = closed_port().await.port();
-        let bus = if cluster {
-            Some(closed_port().await.port().to_string())
-        } else {
-            None
-        };
         let mut args = extra.to_vec();
-        if let Some(bus) = &bus {
+        let bus;
+        if cluster {
+            bus = closed_port().await.port().to_string();
             args.extend(["--cluster-port", bus.as_str()]);
         }
         let mut child = spawn(port, dir, &args);
