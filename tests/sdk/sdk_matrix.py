@@ -323,10 +323,10 @@ def anthropic_checks(binary, provider_url, tmp, checks, matrix):
         messages = [{"role": "user", "content": "Say hello."}]
 
         def create(key):
-            return client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=messages, extra_headers=h(key)).model_dump()
+            return client.messages.create(model="claude-sonnet-4-6", max_tokens=64, messages=messages, extra_headers=h(key)).model_dump()
 
         def stream(key):
-            with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=messages, extra_headers=h(key)) as s:
+            with client.messages.stream(model="claude-sonnet-4-6", max_tokens=64, messages=messages, extra_headers=h(key)) as s:
                 return "".join(s.text_stream)
 
         version = anthropic.__version__
