@@ -94,7 +94,7 @@ rows.append(("claim, a new job", per_call(lambda i: command("EVALSHA", claim, *c
 rows.append(("settle, the job's first transition", per_call(lambda i: command(
     "EVALSHA", apply, 6, f"{base}job:n{job_id(i)}", f"{base}resp:n{job_id(i)}",
     f"{base}claim:n{i:058d}", f"{base}watch:n{job_id(i)}", base + "unknown", index(i, "n"),
-    1, settled, ttl, answer, f"{base}chan:n{job_id(i)}", f"n{job_id(i)}", "s"))))
+    1, settled, ttl, answer, f"{base}chan:n{job_id(i)}", job_id(i), "s"))))
 rows.append(("claim of a key already claimed (a duplicate)", per_call(
     lambda i: command("EVALSHA", claim, *claim_args(i, "n")))))
 
