@@ -189,20 +189,12 @@ impl Floor {
         };
         let request = Request::from_parts(parts, full(body));
         let Some(response) = self.forward(request).await else {
-            self.jobs
-                .lock()
-                .expect("jobs")
-                .of(&identity)
-                .remove(&identity);
+            self.forget(&identity);
             return status(StatusCode::BAD_GATEWAY);
         };
         let (parts, body) = response.into_parts();
         let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
-            self.jobs
-                .lock()
-                .expect("jobs")
-                .of(&identity)
-                .remove(&identity);
+            self.forget(&identity);
             return status(StatusCode::BAD_GATEWAY);
         };
         // Copied, as the gateway does: kept as they are, the body and every header value
@@ -211,6 +203,15 @@ impl Floor {
         let body = Bytes::copy_from_slice(&body);
         answered.send_replace(Some((parts.status, owned(&parts.headers), body.clone())));
         Response::from_parts(parts, full(body))
+    }
+
+    /// Drops a claim whose call failed, so that a retry calls the provider again.
+    fn forget(&self, identity: &[u8; 32]) {
+        self.jobs
+            .lock()
+            .expect("jobs")
+            .of(identity)
+            .remove(identity);
     }
 
     async fn forward(&self, request: Request<Body>) -> Option<Response<Incoming>> {
