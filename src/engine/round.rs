@@ -191,10 +191,25 @@ pub(super) async fn run_round(
     if let Err(end) = round.advance().await {
         return end;
     }
-    let mut renew = tokio::time::interval_at(Instant::now() + lease / 3, lease / 3);
+    // One timer for all of the round's deadlines, reset to the earliest. A timer of each
+    // deadline's own (the provider's timeout, the hedge, a retry's backoff, the lease's
+    // renewal), made anew at each turn of the loop, disabled ones included, and put in the
+    // wheel and taken out again, cost 1.2 % of a new job's instructions.
+    let renewal = lease / 3;
+    let mut renew_at = Instant::now() + renewal;
+    let timer = sleep_until(renew_at);
+    tokio::pin!(timer);
     loop {
         let timeout_at = round.next_timeout();
         let hedge_at = round.next_hedge();
+        let pending_at = round.pending;
+        let wake_at = [timeout_at, hedge_at, pending_at]
+            .into_iter()
+            .flatten()
+            .fold(renew_at, Instant::min);
+        if timer.deadline() != wake_at {
+            timer.as_mut().reset(wake_at);
+        }
         tokio::select! {
             // Fixed priority: answers before timers, so a run replays exactly under paused time.
             biased;
@@ -215,27 +230,34 @@ pub(super) async fn run_round(
             () = poll_fn(|cx| poll_inline(&mut round.inline, cx)), if round.inline.is_some() => {
                 round.inline = None;
             }
-            _ = sleep_until(timeout_at.unwrap_or_else(far_future)), if timeout_at.is_some() => {
-                if let Err(end) = round.on_timeouts().await {
-                    return end;
+            () = &mut timer => {
+                // The timer fired at the earliest deadline; of those due, in this order, one
+                // is handled per turn, the next at the next turn.
+                let now = Instant::now();
+                let due = |at: Option<Instant>| at.is_some_and(|at| at <= now);
+                if due(timeout_at) {
+                    if let Err(end) = round.on_timeouts().await {
+                        return end;
+                    }
+                } else if due(hedge_at) {
+                    debug!(route = %round.route.name, "hedging: attempt in flight is silent");
+                    // A hedge goes somewhere else: past entries whose provider is already
+                    // running an attempt of this job (a retry of the silent primary is no
+                    // hedge).
+                    round.cursor = round.next_idle_step().unwrap_or(round.route.providers.len());
+                    if let Err(end) = round.start_next(None).await {
+                        return end;
+                    }
+                } else if due(pending_at) {
+                    round.pending = None;
+                    if let Err(end) = round.start_next(None).await {
+                        return end;
+                    }
+                } else if renew_at <= now {
+                    round.renew_lease().await;
+                    renew_at = now + renewal;
                 }
             }
-            _ = sleep_until(hedge_at.unwrap_or_else(far_future)), if hedge_at.is_some() => {
-                debug!(route = %round.route.name, "hedging: attempt in flight is silent");
-                // A hedge goes somewhere else: past entries whose provider is already running
-                // an attempt of this job (a retry of the silent primary is no hedge).
-                round.cursor = round.next_idle_step().unwrap_or(round.route.providers.len());
-                if let Err(end) = round.start_next(None).await {
-                    return end;
-                }
-            }
-            _ = sleep_until(round.pending.unwrap_or_else(far_future)), if round.pending.is_some() => {
-                round.pending = None;
-                if let Err(end) = round.start_next(None).await {
-                    return end;
-                }
-            }
-            _ = renew.tick() => round.renew_lease().await,
         }
         if let Err(end) = round.advance().await {
             return end;
@@ -271,10 +293,6 @@ fn poll_inline(inline: &mut Option<Inline>, cx: &mut Context<'_>) -> Poll<()> {
     inline
         .as_mut()
         .map_or(Poll::Pending, |inline| inline.poll_call(cx))
-}
-
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(86400 * 365)
 }
 
 impl Round {

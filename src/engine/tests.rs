@@ -184,6 +184,49 @@ async fn a_timeout_is_unknown_blocks_attempts_and_its_late_answer_settles_the_jo
     assert_eq!(providers.calls(), [1, 0]);
 }
 
+/// The round renews its job's lease every third of `lease` for as long as its call runs,
+/// again after each renewal, so a call longer than the lease is never taken for a crash.
+#[tokio::test(start_paused = true)]
+async fn a_long_call_keeps_its_job_leased_renewal_after_renewal() {
+    // lease 1.5 s: renewed at 0.5, 1.0 and 1.5 s into a call that answers at 1.8 s.
+    let (engine, providers) = engine_with(
+        "lease = \"1500ms\"",
+        "",
+        vec![script(200, 1_800), script(200, 100)],
+    );
+    let running = tokio::spawn({
+        let engine = engine.clone();
+        async move { submit(&engine, "k").await }
+    });
+    let lease_left = |record: crate::job::JobRecord| {
+        record
+            .job
+            .lease_until
+            .duration_since(crate::clock::now())
+            .unwrap_or_default()
+    };
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let record = engine.store().find("owner", "k").await.unwrap().unwrap();
+    assert_eq!(record.job.state, JobState::InProgress);
+    // Without renewal 0.3 s would be left; after only the first, 0.8 s; after the second
+    // (at 1.0 s), 1.3 s.
+    assert!(
+        lease_left(record.clone()) > Duration::from_millis(1_000),
+        "lease not renewed twice: {:?} left",
+        lease_left(record)
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let record = engine.store().find("owner", "k").await.unwrap().unwrap();
+    assert!(lease_left(record) > Duration::from_millis(1_300));
+    let (id, n, replayed) = answered(&running.await.unwrap());
+    assert_eq!((n, replayed), (1, false));
+    assert_eq!(
+        attempts(&engine, &id).await,
+        (JobState::Succeeded, vec![AttemptState::Succeeded])
+    );
+    assert_eq!(providers.calls(), [1, 0]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_timed_out_call_beyond_late_result_max_is_dropped_and_its_job_stays_unknown() {
     let (engine, providers) = engine_with(
